@@ -1,0 +1,560 @@
+"""The email database: where emails come from, the SQLite/FTS5 schema, the build, and read-only access.
+
+Owns: reading corpora (Hugging Face `corbt/enron-emails`, JSONL(.gz), Parquet, maildir, mbox, the demo
+inbox), normalising records, building the database atomically, and the read-only search/read queries
+the agent's tools run. It does not know about questions' semantics (see `questions`) or the model.
+
+An *inbox* is every message an address sent or received (to/cc/bcc), as in ART·E. Dates are stored as
+'YYYY-MM-DD HH:MM:SS' in UTC, so string comparison is time comparison.
+"""
+
+from __future__ import annotations
+
+import email
+import email.policy
+import hashlib
+import email.utils
+import gzip
+import json
+import mailbox as mboxlib
+import os
+import signal
+import sqlite3
+import time
+import unicodedata
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Iterable, Iterator
+from urllib.parse import quote
+
+from tqdm import tqdm
+
+MAX_SEARCH_RESULTS = 20  # search_inbox clamps max_results to this instead of failing the call
+SNIPPET_TOKENS = 16
+
+SCHEMA = """
+CREATE TABLE emails (
+    id           INTEGER PRIMARY KEY,
+    message_id   TEXT NOT NULL UNIQUE,
+    date         TEXT NOT NULL,            -- 'YYYY-MM-DD HH:MM:SS', UTC
+    subject      TEXT NOT NULL,
+    from_address TEXT NOT NULL,            -- lower-case
+    body         TEXT NOT NULL,
+    file_name    TEXT NOT NULL,
+    members      TEXT NOT NULL             -- member_token() of sender and recipients, indexed by FTS
+);
+CREATE TABLE recipients (
+    email_id INTEGER NOT NULL REFERENCES emails(id),
+    address  TEXT NOT NULL,                -- lower-case
+    kind     TEXT NOT NULL CHECK (kind IN ('to', 'cc', 'bcc'))
+);
+-- Inbox membership (sender and every recipient), so inbox scoping is one indexed lookup.
+CREATE TABLE mailbox (
+    address  TEXT NOT NULL,
+    email_id INTEGER NOT NULL,
+    PRIMARY KEY (address, email_id)
+) WITHOUT ROWID;
+-- `members` lets FTS5 intersect keyword matches with an inbox inside the index (fast for big inboxes
+-- and common words); the exact check against `mailbox` still decides what is in an inbox.
+CREATE VIRTUAL TABLE emails_fts USING fts5(
+    subject, body, members, content='emails', content_rowid='id',
+    tokenize='porter unicode61 remove_diacritics 2'
+);
+CREATE TABLE questions (
+    id            INTEGER PRIMARY KEY,
+    question      TEXT NOT NULL,
+    answer        TEXT NOT NULL,
+    message_ids   TEXT NOT NULL,           -- JSON list
+    how_realistic REAL,
+    inbox_address TEXT NOT NULL,           -- lower-case
+    query_date    TEXT NOT NULL,           -- 'YYYY-MM-DD'
+    split         TEXT NOT NULL,
+    gold_in_db    INTEGER NOT NULL         -- 1 when every message_id is in emails
+);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+# Created after the bulk load: building indexes once is much faster than maintaining them per row.
+INDEXES = """
+CREATE INDEX idx_emails_from ON emails(from_address);
+CREATE INDEX idx_emails_date ON emails(date);
+CREATE INDEX idx_recipients_address ON recipients(address, kind);
+CREATE INDEX idx_recipients_email ON recipients(email_id);
+CREATE INDEX idx_questions_split ON questions(split);
+"""
+
+
+class DataError(Exception):
+    """A problem with the user's input or database, worded for the user (one sentence, no traceback)."""
+
+
+class SkipRecord(Exception):
+    """A malformed email record: skipped and counted, never fatal."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalising records from any source into one shape
+# ----------------------------------------------------------------------------------------------
+
+def parse_date(value) -> str:
+    """Any date we meet (ISO string, 'YYYY-MM-DD HH:MM:SS', RFC 2822 header, datetime) -> UTC 'YYYY-MM-DD HH:MM:SS'."""
+    if isinstance(value, datetime):
+        dt = value
+    elif isinstance(value, str) and value.strip():
+        text = value.strip()
+        try:
+            dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            try:
+                dt = email.utils.parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError) as exc:
+                raise SkipRecord(f"unparseable date {text[:40]!r}") from exc
+    else:
+        raise SkipRecord("missing date")
+    if dt.tzinfo is not None:  # naive datetimes (the HF dataset's timestamps) are taken as UTC
+        dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
+    return dt.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _addresses(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [addr for _, addr in email.utils.getaddresses([value])]
+    return [str(a).strip().lower() for a in value if a and str(a).strip()]
+
+
+def normalize_email(raw: dict) -> dict:
+    """One record from any source (our JSONL schema or the HF column names) -> the row we store."""
+    message_id = (raw.get("message_id") or "").strip()
+    if not message_id:
+        raise SkipRecord("missing message_id")
+    sender = raw.get("from_address", raw.get("from"))
+    senders = _addresses(sender)
+    return {
+        "message_id": message_id,
+        "date": parse_date(raw.get("date")),
+        "subject": raw.get("subject") or "",
+        "from_address": senders[0] if senders else "",
+        "to": _addresses(raw.get("to_addresses", raw.get("to"))),
+        "cc": _addresses(raw.get("cc_addresses", raw.get("cc"))),
+        "bcc": _addresses(raw.get("bcc_addresses", raw.get("bcc"))),
+        "body": raw.get("body") or "",
+        "file_name": raw.get("file_name") or "",
+    }
+
+
+def _unfold(header: str | None) -> str:
+    # CMU/Enron exports fold long headers mid-word with "\n\t"; other folds become one space.
+    if header is None:
+        return ""
+    return " ".join(str(header).replace("\r", "").replace("\n\t", "").split("\n")).strip()
+
+
+def message_to_record(msg: email.message.Message, file_name: str) -> dict:
+    """An RFC 822 message (maildir file, mbox entry) -> a raw record in our JSONL schema."""
+    if msg.is_multipart():
+        parts = [p for p in msg.walk() if p.get_content_type() == "text/plain"]
+        part = parts[0] if parts else None
+    else:
+        part = msg
+    body = ""
+    if part is not None:
+        payload = part.get_payload(decode=True) or b""
+        charset = part.get_content_charset() or "cp1252"
+        try:
+            body = payload.decode(charset)
+        except (LookupError, UnicodeDecodeError):
+            body = payload.decode("latin-1")
+    return {
+        "message_id": _unfold(msg.get("Message-ID")),
+        "date": _unfold(msg.get("Date")) or None,
+        "subject": _unfold(msg.get("Subject")),
+        "from_address": _unfold(msg.get("From")),
+        "to_addresses": _unfold(msg.get("To")),
+        "cc_addresses": _unfold(msg.get("Cc")),
+        "bcc_addresses": _unfold(msg.get("Bcc")),
+        "body": body.replace("\r\n", "\n"),
+        "file_name": file_name,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: each yields raw records (dicts); normalize_email makes them uniform.
+# ----------------------------------------------------------------------------------------------
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def read_jsonl(path: Path) -> Iterator[dict]:
+    with _open_text(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield {"_error": f"line {line_no} is not JSON"}
+
+
+def read_parquet(path: Path) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=2048):
+        yield from batch.to_pylist()
+
+
+def read_maildir(root: Path) -> Iterator[dict]:
+    """A CMU-style maildir tree (maildir/<user>/<folder>/<n>.): every regular file is one message."""
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        with open(path, "rb") as f:
+            msg = email.message_from_binary_file(f, policy=email.policy.compat32)
+        yield message_to_record(msg, str(path.relative_to(root.parent)))
+
+
+def read_mbox(path: Path) -> Iterator[dict]:
+    box = mboxlib.mbox(path, create=False)
+    try:
+        for key, msg in box.iteritems():
+            yield message_to_record(msg, f"{path.name}#{key}")
+    finally:
+        box.close()
+
+
+def read_emails(path: str | os.PathLike) -> Iterator[dict]:
+    """Pick a reader from what PATH is: a directory (maildir), .jsonl(.gz), .parquet, or an mbox file."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"No such file or folder: {path}")
+    if path.is_dir():
+        return read_maildir(path)
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+        return read_jsonl(path)
+    if name.endswith(".parquet"):
+        return read_parquet(path)
+    if name.endswith(".mbox") or _looks_like_mbox(path):
+        return read_mbox(path)
+    raise DataError(f"Don't know how to read {path}: expected a maildir folder, .jsonl(.gz), .parquet or an mbox file.")
+
+
+def _looks_like_mbox(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(5) == b"From "
+
+
+HUB_OFFLINE_HELP = (
+    "Could not load {name!r} from the Hugging Face Hub ({error}). The default build downloads the ART·E "
+    "Enron corpus (~517k emails) and its questions, which needs network access or a populated Hugging Face "
+    "cache (set HF_HUB_OFFLINE=1 to use the cache, HF_ENDPOINT to use a mirror). Offline, build from local "
+    "files with --emails PATH (JSONL, Parquet, maildir or mbox) and --questions PATH, or try the bundled "
+    "demo inbox with --demo."
+)
+
+
+def load_hub_dataset(name: str, split: str | None = None):
+    """A Hugging Face dataset by name, with a readable error instead of a network traceback."""
+    try:
+        import datasets
+        import huggingface_hub
+
+        datasets.logging.set_verbosity_error()
+        huggingface_hub.utils.logging.set_verbosity_error()  # one clear error below instead of retry chatter
+        return datasets.load_dataset(name, split=split)
+    except Exception as exc:  # the hub raises many kinds (ConnectionError, HfHubHTTPError, OfflineModeIsEnabled...)
+        raise DataError(HUB_OFFLINE_HELP.format(name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}")) from exc
+
+
+def read_hub_emails(name: str = "corbt/enron-emails"):
+    """The ART·E corpus (a `datasets.Dataset`: iterable of records with `from`/`to`/`cc`/`bcc` columns, and a len)."""
+    return load_hub_dataset(name, split="train")
+
+
+# ----------------------------------------------------------------------------------------------
+# Build
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class BuildSummary:
+    db_path: str
+    emails: int = 0
+    duplicates: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    addresses: int = 0
+    first_date: str | None = None
+    last_date: str | None = None
+    questions: dict[str, int] = field(default_factory=dict)  # split -> count
+    questions_missing_gold: int = 0
+    questions_skipped: int = 0
+    seconds: float = 0.0
+    db_bytes: int = 0
+
+    def lines(self) -> list[str]:
+        skipped = sum(self.skipped.values())
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
+        q = ", ".join(f"{n} {split}" for split, n in sorted(self.questions.items())) or "none"
+        return [
+            f"database    {self.db_path} ({self.db_bytes / 1e6:.1f} MB)",
+            f"emails      {self.emails:,} in {self.seconds:.1f}s ({self.emails / max(self.seconds, 1e-9):,.0f}/s)",
+            f"addresses   {self.addresses:,} (an inbox is an address's sent and received mail)",
+            f"dates       {self.first_date} .. {self.last_date} (UTC)",
+            f"duplicates  {self.duplicates:,} dropped (same message_id)",
+            f"skipped     {skipped:,} malformed ({why})",
+            f"questions   {q}; {self.questions_missing_gold:,} cite an email not in the database "
+            f"(kept, excluded from training); {self.questions_skipped:,} malformed skipped",
+        ]
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: str | os.PathLike, *,
+                   source: str, total: int | None = None, progress: bool = True) -> BuildSummary:
+    """Build the database at db_path from raw email records and raw question records.
+
+    The build writes a temporary file beside db_path and renames it into place only when complete, so an
+    interrupted or failed build never leaves a partial database (an existing one stays untouched).
+    """
+    from .questions import normalize_question  # questions' schema lives there
+
+    db_path = Path(db_path)
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in db_path.parent.glob(db_path.name + ".tmp-*"):  # left by a build that was SIGKILLed
+        stale.unlink(missing_ok=True)
+    tmp_path = db_path.with_name(f"{db_path.name}.tmp-{os.getpid()}")
+    summary = BuildSummary(db_path=str(db_path))
+    started = time.perf_counter()
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # so `kill` cleans up too
+    try:
+        conn = sqlite3.connect(tmp_path)
+        try:
+            _fill(conn, emails, questions, summary, source, total, progress, normalize_question)
+        finally:
+            conn.close()
+        os.replace(tmp_path, db_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        tmp_path.unlink(missing_ok=True)
+    summary.seconds = time.perf_counter() - started
+    summary.db_bytes = db_path.stat().st_size
+    return summary
+
+
+def _fill(conn, emails, questions, summary, source, total, progress, normalize_question):
+    # The file is private until renamed into place, so durability during the build buys nothing.
+    conn.executescript("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-200000;")
+    conn.executescript(SCHEMA)
+    seen: set[str] = set()
+    email_rows, recipient_rows, mailbox_rows = [], [], []
+
+    def flush():
+        conn.executemany("INSERT INTO emails VALUES (?,?,?,?,?,?,?,?)", email_rows)
+        conn.executemany("INSERT INTO recipients VALUES (?,?,?)", recipient_rows)
+        conn.executemany("INSERT OR IGNORE INTO mailbox VALUES (?,?)", mailbox_rows)
+        email_rows.clear(), recipient_rows.clear(), mailbox_rows.clear()
+
+    conn.execute("BEGIN")
+    bar = tqdm(emails, total=total, unit=" emails", desc="loading", disable=not progress, mininterval=0.5)
+    for raw in bar:
+        try:
+            if "_error" in raw:
+                raise SkipRecord(raw["_error"])
+            row = normalize_email(raw)
+        except SkipRecord as exc:
+            reason = str(exc).split(" '")[0]  # group "unparseable date 'x'" and "unparseable date 'y'"
+            summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
+            continue
+        if row["message_id"] in seen:
+            summary.duplicates += 1
+            continue
+        seen.add(row["message_id"])
+        email_id = len(seen)
+        members = {row["from_address"]} if row["from_address"] else set()
+        for kind in ("to", "cc", "bcc"):
+            for address in row[kind]:
+                recipient_rows.append((email_id, address, kind))
+                members.add(address)
+        members = sorted(members)
+        mailbox_rows.extend((address, email_id) for address in members)
+        email_rows.append((email_id, row["message_id"], row["date"], row["subject"], row["from_address"],
+                           row["body"], row["file_name"], " ".join(member_token(a) for a in members)))
+        if len(email_rows) >= 5000:
+            flush()
+    flush()
+    bar.close()
+    summary.emails = len(seen)
+    if summary.emails == 0:
+        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped).")
+
+    steps = [("full-text index", "INSERT INTO emails_fts(emails_fts) VALUES ('rebuild')"), ("indexes", INDEXES)]
+    for name, sql in tqdm(steps, desc="indexing", unit=" step", disable=not progress):
+        conn.executescript(sql) if ";" in sql else conn.execute(sql)
+
+    message_ids = seen
+    split_counts: dict[str, int] = {}
+    for raw in questions:
+        try:
+            q = normalize_question(raw)
+        except ValueError:
+            summary.questions_skipped += 1
+            continue
+        gold_in_db = all(m in message_ids for m in q.message_ids)
+        summary.questions_missing_gold += not gold_in_db
+        split_counts[q.split] = split_counts.get(q.split, 0) + 1
+        conn.execute("INSERT OR REPLACE INTO questions VALUES (?,?,?,?,?,?,?,?,?)",
+                     (q.id, q.question, q.answer, json.dumps(q.message_ids), q.how_realistic,
+                      q.inbox_address, q.query_date, q.split, int(gold_in_db)))
+    summary.questions = split_counts
+
+    summary.addresses = conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
+    summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()
+    meta = {"source": source, "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "emails": str(summary.emails), "duplicates": str(summary.duplicates),
+            "skipped": json.dumps(summary.skipped), "schema_version": "1"}
+    conn.executemany("INSERT INTO meta VALUES (?,?)", sorted(meta.items()))
+    conn.execute("COMMIT")
+    conn.execute("ANALYZE")
+
+
+# ----------------------------------------------------------------------------------------------
+# Read-only access: the queries behind the agent's tools
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class SearchResult:
+    message_id: str
+    subject: str
+    from_address: str
+    date: str
+    snippet: str
+
+
+@dataclass
+class Email:
+    message_id: str
+    date: str
+    subject: str
+    from_address: str
+    to_addresses: list[str]
+    cc_addresses: list[str]
+    bcc_addresses: list[str]
+    body: str
+    file_name: str
+
+
+def member_token(address: str) -> str:
+    """A single FTS token standing for one address (digits only, so the porter stemmer leaves it alone)."""
+    digest = hashlib.blake2b(address.encode("utf-8"), digest_size=8).digest()
+    return "m" + str(int.from_bytes(digest, "big"))
+
+
+def fts_query(keywords: Iterable[str]) -> str | None:
+    """Keywords -> an FTS5 query that matches each keyword literally (as a phrase), all of them (AND).
+
+    Quoting makes every FTS5 operator (AND, NEAR, *, -, parentheses, column filters) plain text. Keywords
+    with no letters or digits can match nothing, so they are dropped; None means nothing searchable is left.
+    """
+    phrases = []
+    for keyword in keywords:
+        text = str(keyword).replace("\x00", " ")  # NUL would end the query string inside SQLite
+        if any(unicodedata.category(ch)[0] in "LN" for ch in text):
+            phrases.append('"' + text.replace('"', '""') + '"')
+    return " AND ".join(phrases) or None
+
+
+def day_start(day: str) -> str:
+    """'YYYY-MM-DD' (or a longer ISO timestamp) -> the stored form of that day's midnight; ValueError if not a date."""
+    return datetime.fromisoformat(str(day).strip()[:10]).strftime("%Y-%m-%d 00:00:00")
+
+
+def day_after(day: str) -> str:
+    """Exclusive upper bound that keeps everything dated on `day` (e.g. a question's query_date)."""
+    return (datetime.fromisoformat(str(day).strip()[:10]) + timedelta(days=1)).strftime("%Y-%m-%d 00:00:00")
+
+
+class EmailDB:
+    """Read-only handle on a built database. Opened with mode=ro: nothing a caller sends can change it."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"No database at {path}; run `python train_email_search_agent.py build-db` first.")
+        self.path = path
+        self.conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, check_same_thread=False)
+        try:
+            self.conn.execute("SELECT 1 FROM emails, questions, meta LIMIT 1").fetchall()
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise DataError(f"{path} is not an email database built by this tool ({exc}); rebuild it with build-db.") from exc
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def meta(self) -> dict[str, str]:
+        return dict(self.conn.execute("SELECT key, value FROM meta"))
+
+    def search(self, inbox: str, keywords: Iterable[str], *, from_address: str | None = None,
+               to_address: str | None = None, sent_after: str | None = None, sent_before: str | None = None,
+               visible_until: str | None = None, max_results: int = 10) -> list[SearchResult]:
+        """Emails in `inbox` matching every keyword, best bm25 match first (newest first on ties).
+
+        sent_after is inclusive of that day, sent_before exclusive ('YYYY-MM-DD'; ValueError if malformed).
+        visible_until is an exclusive 'YYYY-MM-DD HH:MM:SS' bound set by the environment, not the model.
+        max_results is clamped to 1..MAX_SEARCH_RESULTS.
+        """
+        query = fts_query(keywords)
+        if query is None:
+            return []
+        inbox = inbox.strip().lower()
+        where = ["emails_fts MATCH ?",
+                 "EXISTS (SELECT 1 FROM mailbox m WHERE m.address = ? AND m.email_id = e.id)"]
+        params: list = [f"members : {member_token(inbox)} AND {{subject body}} : ({query})", inbox]
+        if from_address:
+            where.append("e.from_address = ?")
+            params.append(from_address.strip().lower())
+        if to_address:
+            where.append("EXISTS (SELECT 1 FROM recipients r WHERE r.address = ? AND r.email_id = e.id)")
+            params.append(to_address.strip().lower())
+        if sent_after:
+            where.append("e.date >= ?")
+            params.append(day_start(sent_after))
+        if sent_before:
+            where.append("e.date < ?")
+            params.append(day_start(sent_before))
+        if visible_until:
+            where.append("e.date < ?")
+            params.append(visible_until)
+        params.append(max(1, min(int(max_results), MAX_SEARCH_RESULTS)))
+        # bm25 weight 0 for `members`: being in the inbox must not change relevance.
+        sql = f"""
+            SELECT e.message_id, e.subject, e.from_address, e.date,
+                   snippet(emails_fts, 1, '**', '**', ' ... ', {SNIPPET_TOKENS})
+            FROM emails_fts JOIN emails e ON e.id = emails_fts.rowid
+            WHERE {' AND '.join(where)}
+            ORDER BY bm25(emails_fts, 1.0, 1.0, 0.0), e.date DESC
+            LIMIT ?"""
+        return [SearchResult(*row) for row in self.conn.execute(sql, params)]
+
+    def read(self, message_id: str, *, inbox: str | None = None, visible_until: str | None = None) -> Email | None:
+        """One email by message_id; None if absent, outside `inbox`, or dated at/after `visible_until`."""
+        sql = "SELECT id, message_id, date, subject, from_address, body, file_name FROM emails e WHERE message_id = ?"
+        params: list = [str(message_id).strip()]
+        if inbox is not None:
+            sql += " AND e.id IN (SELECT email_id FROM mailbox WHERE address = ?)"
+            params.append(inbox.strip().lower())
+        if visible_until is not None:
+            sql += " AND e.date < ?"
+            params.append(visible_until)
+        row = self.conn.execute(sql, params).fetchone()
+        if row is None:
+            return None
+        email_id, *fields = row
+        recipients = {"to": [], "cc": [], "bcc": []}
+        for address, kind in self.conn.execute(
+                "SELECT address, kind FROM recipients WHERE email_id = ? ORDER BY rowid", (email_id,)):
+            recipients[kind].append(address)
+        mid, date, subject, sender, body, file_name = fields
+        return Email(mid, date, subject, sender, recipients["to"], recipients["cc"], recipients["bcc"], body, file_name)

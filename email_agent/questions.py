@@ -1,0 +1,102 @@
+"""Question sets: the schema of a question, reading question files, and choosing questions for a run.
+
+A question is asked on behalf of one inbox on one day (`query_date`) and cites the email(s) that hold its
+answer (`message_ids`). Questions are stored in the database next to the emails (see `data`), with a flag
+saying whether their gold emails are present, so training and evaluation read one file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Iterator
+
+from .data import DataError, EmailDB, read_jsonl, read_parquet
+
+
+@dataclass(frozen=True)
+class Question:
+    id: int
+    question: str
+    answer: str
+    message_ids: list[str]
+    how_realistic: float | None
+    inbox_address: str
+    query_date: str  # 'YYYY-MM-DD': the agent's "today"; it never sees mail dated later
+    split: str
+
+
+def normalize_question(raw: dict) -> Question:
+    """A record with the Hugging Face `corbt/enron_emails_sample_questions` fields -> Question (ValueError if malformed)."""
+    try:
+        message_ids = raw["message_ids"]
+        if isinstance(message_ids, str):
+            message_ids = json.loads(message_ids) if message_ids.startswith("[") else [message_ids]
+        question = Question(
+            id=int(raw["id"]),
+            question=str(raw["question"]).strip(),
+            answer=str(raw["answer"]).strip(),
+            message_ids=[str(m).strip() for m in message_ids],
+            how_realistic=None if raw.get("how_realistic") is None else float(raw["how_realistic"]),
+            inbox_address=str(raw["inbox_address"]).strip().lower(),
+            query_date=date.fromisoformat(str(raw["query_date"]).strip()[:10]).isoformat(),
+            split=str(raw.get("split") or "train"),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed question: {exc}") from exc
+    if not (question.question and question.answer and question.message_ids and question.inbox_address):
+        raise ValueError("malformed question: empty field")
+    return question
+
+
+def read_questions(path: str | Path) -> Iterator[dict]:
+    """A local question file (.jsonl(.gz) or .parquet) with the Hugging Face schema (+ optional `split`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"No such question file: {path}")
+    if path.name.lower().endswith(".parquet"):
+        return read_parquet(path)
+    return read_jsonl(path)
+
+
+def read_hub_questions(name: str = "corbt/enron_emails_sample_questions") -> Iterator[dict]:
+    """Both splits of the ART·E question set, each row tagged with its split."""
+    from .data import load_hub_dataset
+
+    splits = load_hub_dataset(name)
+    for split in ("train", "test"):
+        for row in splits[split]:
+            yield {**row, "split": split}
+
+
+def select_questions(db: EmailDB, split: str, *, single_source: bool = False, min_realistic: float = 0.0,
+                     require_gold: bool = True, seed: int | None = None, limit: int | None = None) -> list[Question]:
+    """Questions of one split, filtered, optionally shuffled with `seed`, then cut to `limit`.
+
+    require_gold drops questions whose cited emails are not in the database: nobody can answer them.
+    Without a seed the order is by id, so `limit` always takes the same questions.
+    """
+    sql = "SELECT id, question, answer, message_ids, how_realistic, inbox_address, query_date, split " \
+          "FROM questions WHERE split = ?"
+    params: list = [split]
+    if require_gold:
+        sql += " AND gold_in_db = 1"
+    if min_realistic > 0:
+        sql += " AND how_realistic >= ?"
+        params.append(min_realistic)
+    rows = db.conn.execute(sql + " ORDER BY id", params).fetchall()
+    questions = [Question(r[0], r[1], r[2], json.loads(r[3]), r[4], r[5], r[6], r[7]) for r in rows]
+    if single_source:
+        questions = [q for q in questions if len(q.message_ids) <= 1]
+    if seed is not None:
+        random.Random(seed).shuffle(questions)
+    return questions[:limit] if limit is not None else questions
+
+
+def question_counts(db: EmailDB) -> dict[str, dict[str, int]]:
+    """split -> {"total", "answerable"} (answerable: every cited email is in the database)."""
+    rows = db.conn.execute("SELECT split, COUNT(*), SUM(gold_in_db) FROM questions GROUP BY split ORDER BY split")
+    return {split: {"total": total, "answerable": answerable or 0} for split, total, answerable in rows}

@@ -1,0 +1,414 @@
+"""Evaluation reporting: aggregate per-(question, model) result records and render them.
+
+This module owns the numbers and the presentation of an evaluation run:
+``summarize`` turns result records into per-model statistics, ``load_history``
+reads ART training histories for learning curves, and ``write_report`` writes
+``summary.json``, ``report.md`` and one self-contained ``report.html`` (inline
+CSS, SVG and JS only, so it opens offline from disk).
+
+Everything rendered is untrusted (email bodies, model output), so every string
+goes through ``_esc``, which scrubs API-key-like tokens and HTML-escapes.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "val/hallucinated", "val/num_turns"]
+TOOL_RESULT_LIMIT = 2000
+PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
+_SECRET_RES = [re.compile(r"sk-[A-Za-z0-9_-]{8,}"), re.compile(r"Bearer \S+")]
+DASH = "—"
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% (by default) Wilson score interval for a binomial proportion.
+
+    n == 0 returns (0.0, 0.0): there is no data, and a fixed tuple keeps the
+    return type simple; ``summarize`` reports accuracy/CI as None in that case.
+    """
+    if n <= 0:
+        return (0.0, 0.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def _metric(records: list[dict], key: str) -> list[float]:
+    # Missing / None metric values are absent, not zero.
+    values = []
+    for r in records:
+        v = (r.get("metrics") or {}).get(key)
+        if v is not None:
+            values.append(float(v))
+    return values
+
+
+def _summarize_model(records: list[dict]) -> dict:
+    # Errored rollouts are counted (n_errors) but excluded from every mean,
+    # including cost, so a crash does not masquerade as a wrong answer.
+    scored = [r for r in records if not r.get("error")]
+    correct = _metric(scored, "answer_correct")
+    calls, valid = sum(_metric(scored, "tool_calls")), sum(_metric(scored, "valid_tool_calls"))
+    latency = _metric(scored, "latency_s")
+    costs = [r.get("cost_usd") for r in scored]
+    known_cost = bool(scored) and all(c is not None for c in costs)
+    return {
+        "n": len(records),
+        "n_errors": len(records) - len(scored),
+        "n_scored": len(scored),
+        "accuracy": _mean(correct),
+        "accuracy_ci": list(wilson_interval(round(sum(correct)), len(correct))) if correct else None,
+        "sources_correct": _mean(_metric(scored, "sources_correct")),
+        "hallucination_rate": _mean(_metric(scored, "hallucinated")),
+        "idk_rate": _mean(_metric(scored, "returned_i_dont_know")),
+        "valid_tool_call_rate": valid / calls if calls else None,
+        "avg_turns": _mean(_metric(scored, "num_turns")),
+        "ran_out_of_turns_rate": _mean(_metric(scored, "ran_out_of_turns")),
+        "latency_p50_s": _percentile(latency, 0.50),
+        "latency_p95_s": _percentile(latency, 0.95),
+        "mean_prompt_tokens": _mean(_metric(scored, "prompt_tokens")),
+        "mean_completion_tokens": _mean(_metric(scored, "completion_tokens")),
+        "mean_reward": _mean([float(r["reward"]) for r in scored if r.get("reward") is not None]),
+        "cost_per_1k_usd": 1000 * sum(costs) / len(costs) if known_cost else None,
+        "judge_errors": sum(1 for r in records if (r.get("verdict") or {}).get("error")),
+    }
+
+
+def _question_key(r: dict):
+    return r.get("question_id", r.get("question"))
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per-model statistics, models in order of first appearance; see ``_summarize_model`` for the keys."""
+    by_model: dict[str, list[dict]] = {}
+    for r in records:
+        by_model.setdefault(str(r.get("model", "?")), []).append(r)
+    return {
+        "models": {label: _summarize_model(rs) for label, rs in by_model.items()},
+        "n_questions": len({_question_key(r) for r in records}),
+        "n_records": len(records),
+    }
+
+
+def load_history(path) -> list[dict]:
+    """Rows of an ART history.jsonl; blank, corrupt or non-object lines are skipped."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue  # a run killed mid-write leaves a truncated last line
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------- formatting
+
+def _scrub(text) -> str:
+    text = "" if text is None else str(text)
+    text = _SECRET_RES[0].sub("sk-[redacted]", text)
+    return _SECRET_RES[1].sub("Bearer [redacted]", text)
+
+
+def _esc(text) -> str:
+    return html.escape(_scrub(text), quote=True)
+
+
+def _pct(v) -> str:
+    return DASH if v is None else f"{100 * v:.1f}%"
+
+
+def _num(v, fmt: str = "{:.2f}") -> str:
+    return DASH if v is None else fmt.format(v)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and plain-text cells shared by the Markdown and HTML tables."""
+    header = ["Model", "n", "Errors", "Accuracy [95% CI]", "Sources", "Hallucination", "I don't know",
+              "Valid tool calls", "Avg turns", "Latency p50 / p95", "Tokens in / out", "Cost / 1k q"]
+    rows = []
+    for label, s in summary["models"].items():
+        acc = _pct(s["accuracy"])
+        if s["accuracy_ci"]:
+            acc += " [{:.1f}–{:.1f}]".format(*(100 * x for x in s["accuracy_ci"]))
+        rows.append([
+            label, str(s["n"]), str(s["n_errors"]), acc, _pct(s["sources_correct"]), _pct(s["hallucination_rate"]),
+            _pct(s["idk_rate"]), _pct(s["valid_tool_call_rate"]), _num(s["avg_turns"]),
+            f"{_num(s['latency_p50_s'], '{:.2f} s')} / {_num(s['latency_p95_s'], '{:.2f} s')}",
+            f"{_num(s['mean_prompt_tokens'], '{:,.0f}')} / {_num(s['mean_completion_tokens'], '{:,.0f}')}",
+            _num(s["cost_per_1k_usd"], "${:,.2f}"),
+        ])
+    return header, rows
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    def line(cells):
+        return "| " + " | ".join(_scrub(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+    return [line(header), "|" + "---|" * len(header)] + [line(r) for r in rows]
+
+
+def _history_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    metrics = [m for m in VAL_METRICS if any(m in r for r in rows)]
+    body = [[str(r.get("step", "")), *(_num(r.get(m), "{:.4g}") if _is_number(r.get(m)) else DASH for m in metrics)]
+            for r in rows if any(m in r for m in metrics)]
+    return ["step", *metrics], body
+
+
+def _when_what(records: list[dict], summary: dict) -> str:
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"Generated {now}: {summary['n_questions']} questions, {len(summary['models'])} models, "
+            f"{len(records)} result records.")
+
+
+def _markdown(title, records, summary, histories) -> str:
+    lines = [f"# {_scrub(title)}", "", _when_what(records, summary), "", "## Comparison", ""]
+    lines += _md_table(*_comparison_rows(summary))
+    lines += ["", "Accuracy excludes errored rollouts (counted under Errors); the CI is a 95% Wilson interval. "
+              "Cost is per 1,000 questions and shown only when every scored record has a price."]
+    if histories:
+        lines += ["", "## Learning curve"]
+        for label, rows in histories.items():
+            lines += ["", f"### {_scrub(label)}", ""] + _md_table(*_history_table(rows))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- SVG charts
+
+def _bar_chart(title: str, bars: list[tuple[str, float | None]], fmt, vmax: float | None = None,
+               whiskers: list | None = None) -> str:
+    """Horizontal bars (model names can be long); whiskers are optional (lo, hi) pairs per bar."""
+    known = [v for _, v in bars if v is not None]
+    if not known:
+        return ""
+    top = vmax or max(max(known), 1e-9) * 1.15
+    lw, bw, rh = 180, 260, 26
+
+    def x(v):
+        return lw + bw * min(max(v / top, 0.0), 1.0)
+
+    out = [f'<svg class="chart" width="{lw + bw + 80}" height="{34 + rh * len(bars)}" role="img" '
+           f'aria-label="{_esc(title)}"><text x="0" y="16" class="ct">{_esc(title)}</text>']
+    for i, (label, v) in enumerate(bars):
+        y = 28 + i * rh
+        short = label if len(label) <= 26 else label[:25] + "…"
+        out.append(f'<text x="{lw - 6}" y="{y + 14}" text-anchor="end"><title>{_esc(label)}</title>{_esc(short)}</text>')
+        if v is None:
+            out.append(f'<text x="{lw + 4}" y="{y + 14}">{DASH}</text>')
+            continue
+        end = x(v)
+        out.append(f'<rect x="{lw}" y="{y}" width="{end - lw:.1f}" height="18" fill="{PALETTE[i % len(PALETTE)]}"/>')
+        if whiskers and whiskers[i]:
+            lo, hi = x(whiskers[i][0]), x(whiskers[i][1])
+            out.append(f'<path d="M{lo:.1f},{y + 9}H{hi:.1f}M{lo:.1f},{y + 4}V{y + 14}M{hi:.1f},{y + 4}V{y + 14}" '
+                       f'stroke="#222" fill="none"/>')
+            end = max(end, hi)
+        out.append(f'<text x="{end + 5:.1f}" y="{y + 14}">{_esc(fmt(v))}</text>')
+    return "".join(out) + "</svg>"
+
+
+def _line_chart(metric: str, series: list[tuple[str, list[tuple[float, float]]]]) -> str:
+    pts = [p for _, s in series for p in s]
+    if not pts:
+        return ""
+    W, H, L, R, T, B = 520, 240, 56, 16, 30, 30
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+
+    def sx(s):
+        return L + (s - x0) / (x1 - x0) * (W - L - R)
+
+    def sy(v):
+        return H - B - (v - y0) / (y1 - y0) * (H - T - B)
+
+    out = [f'<svg class="chart" width="{W}" height="{H}" role="img" aria-label="{_esc(metric)}">',
+           f'<text x="0" y="16" class="ct">{_esc(metric)} vs step</text>',
+           f'<path d="M{L},{T}V{H - B}H{W - R}" stroke="#888" fill="none"/>',
+           f'<text x="{L - 4}" y="{T + 4}" text-anchor="end">{y1:.3g}</text>',
+           f'<text x="{L - 4}" y="{H - B}" text-anchor="end">{y0:.3g}</text>',
+           f'<text x="{L}" y="{H - 12}">{x0:g}</text><text x="{W - R}" y="{H - 12}" text-anchor="end">{x1:g}</text>']
+    legend = []
+    for i, (label, s) in enumerate(series):
+        color = PALETTE[i % len(PALETTE)]
+        coords = " ".join(f"{sx(a):.1f},{sy(b):.1f}" for a, b in s)
+        out.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
+        out += [f'<circle cx="{sx(a):.1f}" cy="{sy(b):.1f}" r="3" fill="{color}"><title>{_esc(label)} step {a:g}: '
+                f'{b:.4g}</title></circle>' for a, b in s]
+        legend.append(f'<span style="color:{color}">■</span> {_esc(label)}')
+    return "".join(out) + '</svg><div class="legend">' + " &nbsp; ".join(legend) + "</div>"
+
+
+# ---------------------------------------------------------------- traces
+
+def _status(r: dict) -> tuple[str, str]:
+    if r.get("error"):
+        return "error", "error"
+    if r.get("answer") is None:
+        return "no answer", "noanswer"
+    m = r.get("metrics") or {}
+    if m.get("returned_i_dont_know"):
+        return "I don't know", "idk"
+    correct = m.get("answer_correct")
+    if correct is None:
+        correct = (r.get("verdict") or {}).get("correct")
+    return ("correct", "correct") if correct else ("wrong", "wrong")
+
+
+def _content_text(content) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "\n".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def _pretty_args(arguments) -> str:
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return str(arguments)  # models emit malformed JSON; show it as sent
+    return json.dumps(parsed, indent=2, ensure_ascii=False)
+
+
+def _message_html(m: dict) -> str:
+    role = str(m.get("role", "?"))
+    text = _scrub(_content_text(m.get("content")))
+    if role == "tool" and len(text) > TOOL_RESULT_LIMIT:
+        text = text[:TOOL_RESULT_LIMIT] + f"\n… [truncated {len(text) - TOOL_RESULT_LIMIT:,} more characters]"
+    body = [f"<pre>{_esc(text)}</pre>"] if text else []
+    for call in m.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        body.append(f'<div class="call">tool call <code>{_esc(fn.get("name"))}</code>'
+                    f'<pre>{_esc(_pretty_args(fn.get("arguments")))}</pre></div>')
+    return (f'<div class="msg {re.sub("[^a-z]", "", role.lower())}"><div class="role">{_esc(role)}</div>'
+            + "".join(body) + "</div>")
+
+
+def _attempt_html(r: dict) -> str:
+    status, css = _status(r)
+    v = r.get("verdict") or {}
+    answer = r.get("answer")
+    meta = [f"reward {_num(r.get('reward'))}", f"turns {_num((r.get('metrics') or {}).get('num_turns'), '{}')}",
+            f"judge {v.get('judge') or DASH}"]
+    notes = [f'<p class="meta">{_esc(" · ".join(meta))}</p>']
+    for key, text in (("Judge", v.get("reasoning")), ("Judge error", v.get("error")), ("Rollout error", r.get("error")),
+                      ("Sources", ", ".join(map(str, r.get("sources") or [])))):
+        if text:
+            notes.append(f"<p><b>{key}:</b> {_esc(text)}</p>")
+    conversation = "".join(_message_html(m) for m in r.get("messages") or [])
+    return (f'<details class="attempt"><summary><span class="badge {css}">{_esc(status)}</span> '
+            f'<b>{_esc(r.get("model", "?"))}</b>: {_esc("(no answer)" if answer is None else answer)}</summary>'
+            + "".join(notes) + conversation + "</details>")
+
+
+def _question_html(rs: list[dict]) -> str:
+    q = rs[0]
+    has_wrong = any(_status(r)[1] != "correct" for r in rs)
+    badges = " ".join(f'<span class="badge {_status(r)[1]}" title="{_esc(r.get("model"))}">{_esc(r.get("model"))}</span>'
+                      for r in rs)
+    facts = (f"<p><b>Gold answer:</b> {_esc(q.get('gold_answer'))}</p><p class=\"meta\">inbox {_esc(q.get('inbox'))} · "
+             f"date {_esc(q.get('query_date'))} · gold messages {_esc(', '.join(map(str, q.get('gold_message_ids') or [])))}</p>")
+    return (f'<details class="question" data-haswrong="{int(has_wrong)}"><summary>#{_esc(_question_key(q))} '
+            f'{_esc(q.get("question"))} {badges}</summary>' + facts + "".join(_attempt_html(r) for r in rs) + "</details>")
+
+
+# ---------------------------------------------------------------- page
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
+table{border-collapse:collapse;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}
+td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}
+.chart{margin:8px 16px 8px 0;font-size:12px}.ct{font-weight:bold;font-size:13px}.legend{font-size:12px;margin-bottom:12px}
+details.question{border:1px solid #ddd;border-radius:4px;margin:6px 0;padding:4px 8px}
+details.attempt{margin:6px 0 6px 16px}summary{cursor:pointer}
+.badge{border-radius:3px;padding:0 5px;font-size:12px;color:#fff}.correct{background:#2e7d32}.wrong{background:#c62828}
+.idk{background:#ef8f00}.noanswer{background:#757575}.error{background:#6a1b9a}
+.msg{border-left:3px solid #ccc;margin:4px 0;padding:2px 8px}.msg.assistant{border-color:#4e79a7}
+.msg.tool{border-color:#59a14f}.msg.system{border-color:#999}.role{font-size:11px;color:#666;text-transform:uppercase}
+pre{white-space:pre-wrap;word-break:break-word;margin:2px 0;font-size:13px}.meta{color:#666;font-size:13px}"""
+
+# Controls stay hidden unless JS runs, so a JS-off page shows no dead widgets.
+_FILTER_JS = """(function(){var c=document.getElementById('controls');c.hidden=false;
+var f=document.getElementById('flt'),w=document.getElementById('onlywrong');
+function run(){var t=f.value.toLowerCase();document.querySelectorAll('details.question').forEach(function(d){
+var ok=(!t||d.textContent.toLowerCase().indexOf(t)>=0)&&(!w.checked||d.dataset.haswrong==='1');
+d.style.display=ok?'':'none';});}f.addEventListener('input',run);w.addEventListener('change',run);})();"""
+
+
+def _html(title, records, summary, histories) -> str:
+    header, rows = _comparison_rows(summary)
+    table = ("<table><thead><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr></thead><tbody>"
+             + "".join('<tr class="model-row">' + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>" for r in rows)
+             + "</tbody></table>")
+    models = summary["models"]
+    labels = list(models)
+
+    def bars(key):
+        return [(m, models[m][key]) for m in labels]
+
+    charts = [
+        _bar_chart("Accuracy (95% Wilson CI)", bars("accuracy"), _pct, 1.0, [models[m]["accuracy_ci"] for m in labels]),
+        _bar_chart("Hallucination rate", bars("hallucination_rate"), _pct, 1.0),
+        _bar_chart("I-don't-know rate", bars("idk_rate"), _pct, 1.0),
+        _bar_chart("Average turns", bars("avg_turns"), lambda v: f"{v:.2f}"),
+        _bar_chart("Latency p50 (s)", bars("latency_p50_s"), lambda v: f"{v:.2f} s"),
+        _bar_chart("Cost per 1,000 questions (USD)", bars("cost_per_1k_usd"), lambda v: f"${v:,.2f}"),
+    ]
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{_esc(title)}</h1><p>{_esc(_when_what(records, summary))}</p>",
+             "<h2>Comparison</h2>", table,
+             "<p class=\"meta\">Accuracy excludes errored rollouts; CI is a 95% Wilson interval.</p>",
+             "<h2>Charts</h2><div>", *charts, "</div>"]
+    if histories:
+        parts.append('<h2 id="learning-curve">Learning curve</h2><div>')
+        for metric in VAL_METRICS:
+            series = [(label, sorted((float(r["step"]), float(r[metric])) for r in rows
+                                     if _is_number(r.get("step")) and _is_number(r.get(metric))))
+                      for label, rows in histories.items()]
+            parts.append(_line_chart(metric, [s for s in series if s[1]]))
+        parts.append("</div>")
+    grouped: dict = {}
+    for r in records:
+        grouped.setdefault(_question_key(r), []).append(r)
+    parts += ["<h2>Per-question traces</h2>",
+              '<div id="controls" hidden><input id="flt" placeholder="Filter by text…"> '
+              '<label><input type="checkbox" id="onlywrong"> only questions with a non-correct attempt</label></div>',
+              *(_question_html(rs) for rs in grouped.values()),
+              f"<script>{_FILTER_JS}</script></body></html>"]
+    return "\n".join(p for p in parts if p)
+
+
+def write_report(out_dir, records, summary, *, title="Email search agent evaluation",
+                 histories: dict[str, list[dict]] | None = None) -> dict[str, Path]:
+    """Write summary.json, report.md and report.html into out_dir (created if needed); returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"summary": out / "summary.json", "markdown": out / "report.md", "html": out / "report.html"}
+    paths["summary"].write_text(json.dumps(summary, sort_keys=True, indent=2) + "\n", encoding="utf-8")
+    paths["markdown"].write_text(_markdown(title, records, summary, histories), encoding="utf-8")
+    paths["html"].write_text(_html(title, records, summary, histories), encoding="utf-8")
+    return paths

@@ -1,0 +1,165 @@
+"""The agent's tools: what the model may call, their OpenAI schemas, and argument checking.
+
+Owns: `Inbox` (one address's mail as of one day: the environment binds both, the model chooses neither),
+the `search_inbox` / `read_email` / `return_final_answer` schemas, and `call_tool`, which turns any tool
+call a model can emit (unknown name, non-JSON arguments, wrong or extra keys, wrong types) into either a
+result or a one-sentence error the model can recover from. It never raises for model input. It knows
+nothing about rewards or training.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from .data import MAX_SEARCH_RESULTS, EmailDB, day_after, day_start
+
+DEFAULT_MAX_BODY_CHARS = 4000  # long bodies (up to 380k chars in Enron) would overflow the context
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "search_inbox",
+        "description": "Search the user's inbox. Returns up to max_results emails that contain ALL the "
+                       "keywords, best match first, each with message_id, subject, sender, date and a snippet.",
+        "parameters": {"type": "object", "properties": {
+            "keywords": {"type": "array", "items": {"type": "string"},
+                         "description": "Words or short phrases that must all appear, e.g. [\"budget\", \"review\"]."},
+            "from_address": {"type": "string", "description": "Only emails sent by this address."},
+            "to_address": {"type": "string", "description": "Only emails sent to (to/cc/bcc) this address."},
+            "sent_after": {"type": "string", "description": "Only emails sent on or after this date, YYYY-MM-DD."},
+            "sent_before": {"type": "string", "description": "Only emails sent before this date, YYYY-MM-DD."},
+            "max_results": {"type": "integer", "description": f"At most this many results (1-{MAX_SEARCH_RESULTS}, default 10)."},
+        }, "required": ["keywords"]},
+    }},
+    {"type": "function", "function": {
+        "name": "read_email",
+        "description": "Read one email of the user's inbox in full, by the message_id a search returned.",
+        "parameters": {"type": "object", "properties": {
+            "message_id": {"type": "string", "description": "The message_id exactly as search_inbox returned it."},
+        }, "required": ["message_id"]},
+    }},
+    {"type": "function", "function": {
+        "name": "return_final_answer",
+        "description": "Give the final answer to the user's question and end the task. If the inbox does not "
+                       "contain the answer, answer exactly \"I don't know\" with no sources.",
+        "parameters": {"type": "object", "properties": {
+            "answer": {"type": "string", "description": "The answer, short and specific."},
+            "sources": {"type": "array", "items": {"type": "string"},
+                        "description": "message_ids of the emails the answer comes from."},
+        }, "required": ["answer", "sources"]},
+    }},
+]
+TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
+_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@dataclass
+class Inbox:
+    """One user's mailbox as of the question's day: search and read never see other inboxes or later mail."""
+
+    db: EmailDB
+    address: str
+    query_date: str  # 'YYYY-MM-DD'; mail dated after this day is invisible
+    max_body_chars: int = DEFAULT_MAX_BODY_CHARS
+
+    def __post_init__(self):
+        self.visible_until = day_after(self.query_date)
+
+    def search_inbox(self, keywords: list[str], from_address: str | None = None, to_address: str | None = None,
+                     sent_after: str | None = None, sent_before: str | None = None,
+                     max_results: int = 10) -> list[dict]:
+        results = self.db.search(self.address, keywords, from_address=from_address, to_address=to_address,
+                                 sent_after=sent_after, sent_before=sent_before,
+                                 visible_until=self.visible_until, max_results=max_results)
+        return [asdict(r) for r in results]
+
+    def read_email(self, message_id: str) -> dict | None:
+        email = self.db.read(message_id, inbox=self.address, visible_until=self.visible_until)
+        if email is None:
+            return None
+        record = asdict(email)
+        record.pop("file_name")
+        body = record["body"]
+        if len(body) > self.max_body_chars:
+            record["body"] = body[:self.max_body_chars] + f"\n[... {len(body) - self.max_body_chars} more characters cut]"
+        return record
+
+
+@dataclass
+class ToolOutcome:
+    """What one tool call produced. `error` is the kind of mistake, None for a good call."""
+
+    name: str
+    content: str  # what the model is shown as the tool result
+    error: str | None = None  # "bad_tool_name" | "bad_tool_args"
+    arguments: dict | None = None  # parsed arguments of a good call
+    result: object = None  # search results (list) or the email (dict or None) of a good call
+
+
+def parse_arguments(name: str, raw: str | dict | None) -> dict:
+    """Raw tool-call arguments -> a checked dict for tool `name`. ValueError with a helpful sentence otherwise."""
+    if isinstance(raw, dict):
+        args = raw
+    else:
+        try:
+            args = json.loads(raw or "{}")
+        except (json.JSONDecodeError, TypeError):
+            raise ValueError(f"the arguments of {name} are not valid JSON; send a JSON object like "
+                             f"{_example(name)}") from None
+    if not isinstance(args, dict):
+        raise ValueError(f"the arguments of {name} must be a JSON object like {_example(name)}")
+    spec = _PARAMS[name]
+    unknown = sorted(set(args) - set(spec["properties"]))
+    if unknown:
+        raise ValueError(f"{name} has no argument {', '.join(map(repr, unknown))}; its arguments are "
+                         f"{', '.join(spec['properties'])}")
+    missing = [key for key in spec["required"] if args.get(key) is None]
+    if missing:
+        raise ValueError(f"{name} needs {', '.join(map(repr, missing))}; e.g. {_example(name)}")
+    for key, value in args.items():
+        if value is None:
+            continue
+        kind = spec["properties"][key]["type"]
+        ok = {"string": isinstance(value, str),
+              "integer": isinstance(value, int) and not isinstance(value, bool),
+              "array": isinstance(value, list) and all(isinstance(v, str) for v in value)}[kind]
+        if not ok:
+            wanted = {"string": "a string", "integer": "an integer", "array": "a list of strings"}[kind]
+            raise ValueError(f"{name}: {key!r} must be {wanted}")
+    for key in ("sent_after", "sent_before"):
+        if args.get(key):
+            try:
+                day_start(args[key])
+            except ValueError:
+                raise ValueError(f"{name}: {key!r} must be a date like 2001-05-31, not {args[key]!r}") from None
+    if name == "search_inbox" and not any(str(k).strip() for k in args["keywords"]):
+        raise ValueError("search_inbox needs at least one non-empty keyword")
+    return {k: v for k, v in args.items() if v is not None}
+
+
+def _example(name: str) -> str:
+    return {"search_inbox": '{"keywords": ["budget", "meeting"]}',
+            "read_email": '{"message_id": "<id from search_inbox>"}',
+            "return_final_answer": '{"answer": "...", "sources": ["<message_id>"]}'}[name]
+
+
+def call_tool(inbox: Inbox, name: str, raw_arguments: str | dict | None) -> ToolOutcome:
+    """Run search_inbox or read_email as the model asked (return_final_answer is the rollout's to handle)."""
+    if name not in ("search_inbox", "read_email"):
+        known = "search_inbox, read_email, return_final_answer"
+        return ToolOutcome(name, f"Error: there is no tool {name!r}; the tools are {known}.", "bad_tool_name")
+    try:
+        args = parse_arguments(name, raw_arguments)
+    except ValueError as exc:
+        return ToolOutcome(name, f"Error: {exc}.", "bad_tool_args")
+    if name == "search_inbox":
+        results = inbox.search_inbox(**args)
+        if not results:
+            content = "No emails matched all the keywords. Try fewer, shorter or different keywords."
+        else:
+            content = json.dumps(results, ensure_ascii=False)
+        return ToolOutcome(name, content, None, args, results)
+    email = inbox.read_email(args["message_id"])
+    content = json.dumps(email, ensure_ascii=False) if email else \
+        f"Error: no email with message_id {args['message_id']!r} in this inbox. Use an id from search_inbox."
+    return ToolOutcome(name, content, None, args, email)

@@ -1,0 +1,315 @@
+"""The database build (sources, atomicity, counts) and the read-only search/read queries."""
+
+import gzip
+import json
+import mailbox
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import email
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import ENRON_EMAILS, ROOT, needs_enron
+from email_agent import data, questions
+from email_agent.data import EmailDB, build_database, normalize_email
+
+
+def record(i, **over):
+    row = {"message_id": f"<m{i}@x>", "date": f"2001-05-{1 + i % 28:02d}T10:00:00Z", "subject": f"subject {i}",
+           "from_address": "Alice@X.com", "to_addresses": ["bob@x.com"], "cc_addresses": ["carol@x.com"],
+           "bcc_addresses": [], "body": f"body number {i} about the falcon pipeline", "file_name": f"f/{i}"}
+    row.update(over)
+    return row
+
+
+def question(i, **over):
+    row = {"id": i, "question": f"q{i}?", "answer": "a", "message_ids": [f"<m{i}@x>"], "how_realistic": 0.5,
+           "inbox_address": "bob@x.com", "query_date": "2001-06-30", "split": "train"}
+    row.update(over)
+    return row
+
+
+@pytest.fixture()
+def small_db(tmp_path):
+    emails = [record(i) for i in range(10)]
+    emails += [record(3), {"subject": "no id"}, record(20, date="not a date"), record(21, date=None)]
+    emails += [record(30, from_address="dave@x.com", to_addresses=["erin@x.com"], cc_addresses=[],
+                      body="falcon secret for erin only", date="2001-05-02T10:00:00Z"),
+               record(31, date="2001-07-15T10:00:00Z", body="falcon news from the future")]
+    qs = [question(1), question(2, split="test"), question(3, message_ids=["<missing@x>"]),
+          question(4, message_ids=["<m4@x>", "<m5@x>"], how_realistic=0.9), {"id": 5, "question": "no answer"}]
+    path = tmp_path / "small.db"
+    summary = build_database(emails, qs, path, source="test", progress=False)
+    db = EmailDB(path)
+    yield summary, db
+    db.close()
+
+
+def test_build_counts_duplicates_and_malformed(small_db):
+    summary, db = small_db
+    assert summary.emails == 12
+    assert summary.duplicates == 1
+    assert summary.skipped == {"missing message_id": 1, "unparseable date": 1, "missing date": 1}
+    assert summary.questions == {"train": 3, "test": 1}
+    assert summary.questions_missing_gold == 1 and summary.questions_skipped == 1
+    assert summary.first_date == "2001-05-01 10:00:00" and summary.last_date == "2001-07-15 10:00:00"
+    assert db.meta()["emails"] == "12"
+
+
+def test_read_returns_recipients_lowercased(small_db):
+    _, db = small_db
+    email = db.read("<m2@x>")
+    assert email.from_address == "alice@x.com"
+    assert (email.to_addresses, email.cc_addresses, email.bcc_addresses) == (["bob@x.com"], ["carol@x.com"], [])
+    assert email.date == "2001-05-03 10:00:00"
+
+
+def test_inbox_scoping_search_and_read(small_db):
+    _, db = small_db
+    ids = {r.message_id for r in db.search("bob@x.com", ["falcon"], max_results=20)}
+    assert "<m30@x>" not in ids and "<m1@x>" in ids
+    assert {r.message_id for r in db.search("erin@x.com", ["falcon"])} == {"<m30@x>"}
+    assert {r.message_id for r in db.search("carol@x.com", ["falcon"], max_results=20)} == ids  # cc counts
+    assert db.read("<m30@x>", inbox="bob@x.com") is None
+    assert db.read("<m30@x>", inbox="ERIN@x.com").message_id == "<m30@x>"
+    assert db.search("nobody@x.com", ["falcon"]) == []
+
+
+def test_date_bounds(small_db):
+    _, db = small_db
+    future = "<m31@x>"
+    assert future in {r.message_id for r in db.search("bob@x.com", ["falcon"], max_results=20)}
+    visible = {r.message_id for r in db.search("bob@x.com", ["falcon"], max_results=20,
+                                              visible_until=data.day_after("2001-06-30"))}
+    assert future not in visible and len(visible) == 10
+    assert db.read(future, visible_until=data.day_after("2001-06-30")) is None
+    assert db.read(future, visible_until=data.day_after("2001-07-15")) is not None  # same day stays visible
+    after = {r.message_id for r in db.search("bob@x.com", ["falcon"], sent_after="2001-05-05", sent_before="2001-05-07")}
+    assert after == {"<m4@x>", "<m5@x>"}  # dated 05-05 and 05-06: after is inclusive, before exclusive
+    with pytest.raises(ValueError):
+        db.search("bob@x.com", ["falcon"], sent_after="last tuesday")
+
+
+def test_search_and_ranking_and_clamp(small_db):
+    _, db = small_db
+    assert len(db.search("bob@x.com", ["falcon"], max_results=1000)) == 11  # clamped to 20, 11 exist
+    assert len(db.search("bob@x.com", ["falcon"], max_results=-5)) == 1
+    assert [r.message_id for r in db.search("bob@x.com", ["number 7"])] == ["<m7@x>"]  # a phrase
+    assert db.search("bob@x.com", ["falcon", "number 7"])[0].snippet.count("**") >= 2  # highlighted
+    assert db.search("bob@x.com", ["falcon", "zebra"]) == []  # AND
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keywords=st.lists(st.text(), max_size=5))
+def test_hostile_keywords_never_raise(small_db, keywords):
+    _, db = small_db
+    for kw in (keywords, keywords + ["falcon"]):
+        assert isinstance(db.search("bob@x.com", kw), list)
+
+
+@pytest.mark.parametrize("kw", ['"', '""', "*", "falcon*", "NEAR(falcon pipeline)", "falcon AND", "-falcon",
+                                "(falcon", "body:falcon", "^falcon", "\x00falcon", "", "   ", "falcon OR zebra"])
+def test_fts_operators_are_literal(small_db, kw):
+    _, db = small_db
+    results = db.search("bob@x.com", [kw])
+    if kw in ("falcon*", "-falcon", "(falcon", "^falcon", "\x00falcon"):
+        assert len(results) == 10  # punctuation is not part of a token: the word itself matches
+    elif kw in ("falcon OR zebra", "falcon AND", "NEAR(falcon pipeline)"):
+        assert results == [] or all("falcon" in r.snippet.lower() for r in results)
+        assert kw != "falcon OR zebra" or results == []  # OR is a word here, not an operator
+
+
+def test_database_is_read_only(small_db):
+    _, db = small_db
+    with pytest.raises(sqlite3.OperationalError):
+        db.conn.execute("DELETE FROM emails")
+
+
+def test_missing_or_foreign_database(tmp_path):
+    with pytest.raises(data.DataError, match="build-db"):
+        EmailDB(tmp_path / "nope.db")
+    (tmp_path / "junk.db").write_text("not sqlite")
+    with pytest.raises(data.DataError, match="not an email database"):
+        EmailDB(tmp_path / "junk.db")
+
+
+def test_rebuild_is_idempotent(tmp_path):
+    emails = [record(i) for i in range(50)]
+    counts = []
+    for _ in range(2):
+        build_database(emails, [question(1)], tmp_path / "a.db", source="t", progress=False)
+        conn = sqlite3.connect(tmp_path / "a.db")
+        counts.append([conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
+                       for t in ("emails", "recipients", "mailbox", "questions")])
+        conn.close()
+    assert counts[0] == counts[1] == [50, 100, 150, 1]
+    assert list(tmp_path.iterdir()) == [tmp_path / "a.db"]  # no temporary files left
+
+
+def test_failed_build_keeps_previous_database(tmp_path):
+    path = tmp_path / "a.db"
+    build_database([record(1)], [], path, source="t", progress=False)
+
+    def exploding():
+        yield record(2)
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError):
+        build_database(exploding(), [], path, source="t", progress=False)
+    assert EmailDB(path).read("<m1@x>") is not None
+    assert list(tmp_path.iterdir()) == [path]
+    with pytest.raises(data.DataError, match="No usable emails"):
+        build_database([{"subject": "x"}], [], tmp_path / "b.db", source="t", progress=False)
+    assert not (tmp_path / "b.db").exists()
+
+
+SLOW_BUILD = """
+import sys, time
+sys.path.insert(0, {root!r})
+from email_agent.data import build_database
+def emails():
+    for i in range(10**7):
+        if i == 2000:
+            print("started", flush=True)
+        yield {{"message_id": f"<{{i}}@x>", "date": "2001-01-01", "from_address": "a@x", "body": "w" * 50}}
+build_database(emails(), [], {path!r}, source="slow", progress=False)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killed_build_leaves_no_database(tmp_path, sig):
+    path = tmp_path / "db" / "enron.db"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_BUILD.format(root=str(ROOT), path=str(path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "started"
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    assert not path.exists()
+    leftovers = list(path.parent.iterdir())
+    if sig != signal.SIGKILL:
+        assert leftovers == []  # the handler removed the temporary file
+    build_database([record(1)], [], path, source="t", progress=False)  # the next build sweeps SIGKILL leftovers
+    assert list(path.parent.iterdir()) == [path]
+
+
+# ---- sources ---------------------------------------------------------------------------------------
+
+def test_jsonl_gz_and_bad_lines(tmp_path):
+    path = tmp_path / "e.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps(record(1)) + "\n{not json\n\n" + json.dumps(record(2)) + "\n")
+    summary = build_database(data.read_emails(path), [], tmp_path / "a.db", source="t", progress=False)
+    assert summary.emails == 2 and summary.skipped == {"line 2 is not JSON": 1}
+
+
+def test_maildir_and_mbox_sources(tmp_path):
+    raw = (b"Message-ID: <mail1@x>\nDate: Mon, 14 May 2001 16:39:00 -0700 (PDT)\n"
+           b"From: Phillip Allen <phillip.allen@x.com>\nTo: tim.belden@x.com, John <john@x.com>\n"
+           b"Subject: Forecast\n\tupdate\nContent-Type: text/plain; charset=us-ascii\n\nHere is our forecast.\r\n")
+    msg = email.message_from_bytes(raw)
+    folder = tmp_path / "maildir" / "allen-p" / "inbox"
+    folder.mkdir(parents=True)
+    (folder / "1.").write_bytes(raw)
+    box = mailbox.mbox(tmp_path / "mail.mbox")
+    box.add(msg)
+    box.close()
+    for source in (tmp_path / "maildir", tmp_path / "mail.mbox"):
+        rows = [normalize_email(r) for r in data.read_emails(source)]
+        assert len(rows) == 1
+        row = rows[0]
+        assert row["date"] == "2001-05-14 23:39:00"  # converted to UTC
+        assert row["from_address"] == "phillip.allen@x.com"
+        assert row["to"] == ["tim.belden@x.com", "john@x.com"]
+        assert row["subject"] == "Forecastupdate"  # CMU-style fold removed
+        assert row["body"].strip() == "Here is our forecast."
+    assert rows[0]["file_name"].endswith("#0")
+    with pytest.raises(data.DataError):
+        data.read_emails(tmp_path / "missing.jsonl")
+
+
+def test_hub_schema_via_parquet(tmp_path):
+    """The Hugging Face corbt/enron-emails columns (from/to/cc/bcc, timestamp date), without the network."""
+    import datetime as dt
+
+    import datasets
+
+    features = datasets.Features({
+        "message_id": datasets.Value("string"), "subject": datasets.Value("string"), "from": datasets.Value("string"),
+        "to": datasets.Sequence(datasets.Value("string")), "cc": datasets.Sequence(datasets.Value("string")),
+        "bcc": datasets.Sequence(datasets.Value("string")), "date": datasets.Value("timestamp[us]"),
+        "body": datasets.Value("string"), "file_name": datasets.Value("string")})
+    ds = datasets.Dataset.from_dict({
+        "message_id": ["<h1@x>"], "subject": ["Hi"], "from": ["a@x.com"], "to": [["b@x.com"]], "cc": [[]],
+        "bcc": [["c@x.com"]], "date": [dt.datetime(2001, 3, 4, 5, 6, 7)], "body": ["hello"],
+        "file_name": ["x/1."]}, features=features)
+    ds.to_parquet(tmp_path / "hub.parquet")
+    build_database(data.read_emails(tmp_path / "hub.parquet"), [], tmp_path / "a.db", source="t", progress=False)
+    email = EmailDB(tmp_path / "a.db").read("<h1@x>")
+    assert (email.date, email.to_addresses, email.bcc_addresses) == ("2001-03-04 05:06:07", ["b@x.com"], ["c@x.com"])
+    for row in ds:  # what read_hub_emails yields goes through the same normaliser
+        assert normalize_email(row)["from_address"] == "a@x.com"
+
+
+def test_hub_unreachable_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--db", "/dev/null/x"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "--emails" in proc.stderr and "--demo" in proc.stderr
+
+
+# ---- questions -------------------------------------------------------------------------------------
+
+def test_question_selection(small_db):
+    _, db = small_db
+    assert [q.id for q in questions.select_questions(db, "train")] == [1, 4]  # 3 lacks its gold email
+    assert [q.id for q in questions.select_questions(db, "train", require_gold=False)] == [1, 3, 4]
+    assert [q.id for q in questions.select_questions(db, "train", single_source=True)] == [1]
+    assert [q.id for q in questions.select_questions(db, "train", min_realistic=0.8)] == [4]
+    assert [q.id for q in questions.select_questions(db, "test")] == [2]
+    assert questions.question_counts(db) == {"test": {"total": 1, "answerable": 1},
+                                             "train": {"total": 3, "answerable": 2}}
+
+
+def test_question_shuffle_is_seeded(demo_db):
+    a = questions.select_questions(demo_db, "train", seed=1, limit=20)
+    assert a == questions.select_questions(demo_db, "train", seed=1, limit=20)
+    assert a != questions.select_questions(demo_db, "train", seed=2, limit=20)
+    assert len(a) == 20
+
+
+# ---- the real Enron sample -------------------------------------------------------------------------
+
+@needs_enron
+def test_enron_sample_counts(enron_db):
+    assert enron_db.meta()["emails"] == "29997"
+    assert enron_db.meta()["duplicates"] == "0"
+    counts = questions.question_counts(enron_db)
+    # SOURCE.md: 2,510 train + 376 test questions; only 2 have every cited email in this sample.
+    assert counts == {"test": {"total": 376, "answerable": 0}, "train": {"total": 2510, "answerable": 2}}
+    addresses = enron_db.conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
+    assert addresses > 20000
+
+
+@needs_enron
+def test_enron_sample_search_read_and_scoping(enron_db):
+    inbox = "gerald.nemec@enron.com"
+    results = enron_db.search(inbox, ["falcon", "gas"])
+    assert results and all(enron_db.read(r.message_id, inbox=inbox) for r in results)
+    email = enron_db.read(results[0].message_id)
+    assert email.to_addresses  # the ART·E original lost recipients; we keep them
+    outsider = enron_db.conn.execute(
+        "SELECT message_id FROM emails e WHERE NOT EXISTS "
+        "(SELECT 1 FROM mailbox m WHERE m.address = ? AND m.email_id = e.id) LIMIT 1", (inbox,)).fetchone()[0]
+    assert enron_db.read(outsider) is not None and enron_db.read(outsider, inbox=inbox) is None
+    # cc-only membership counts (the CMU Bcc is a copy of Cc)
+    row = enron_db.conn.execute("SELECT e.message_id, r.address FROM recipients r JOIN emails e ON e.id = r.email_id "
+                                "WHERE r.kind = 'cc' LIMIT 1").fetchone()
+    assert enron_db.read(row[0], inbox=row[1]) is not None

@@ -1,0 +1,137 @@
+"""Tests for email_agent.report: statistics, history loading and the rendered reports."""
+import json
+import re
+
+import pytest
+
+from email_agent.report import load_history, summarize, wilson_interval, write_report
+
+
+def _rec(model, qid, *, correct=1, halluc=0, idk=0, latency=1.0, valid=1, calls=1, cost=0.001, error=None,
+         answer="Thursday March 14", messages=None):
+    metrics = {} if error else {
+        "answer_correct": correct, "sources_correct": correct, "attempted_answer": 1 - idk, "returned_i_dont_know": idk,
+        "hallucinated": halluc, "num_turns": 3, "ran_out_of_turns": 0, "valid_tool_calls": valid, "tool_calls": calls,
+        "prompt_tokens": 1000, "completion_tokens": 100, "latency_s": latency,
+    }
+    return {
+        "model": model, "question_id": qid, "question": f"Question {qid}?", "gold_answer": "Thursday, March 14",
+        "gold_message_ids": ["<demo.1@larkspur.example>"], "inbox": "ana@larkspur.example", "query_date": "2024-03-20",
+        "answer": None if error else answer, "sources": [], "reward": float(correct),
+        "verdict": {"correct": None if error else bool(correct), "judge": "offline", "reasoning": "r", "error": None},
+        "metrics": metrics, "cost_usd": cost, "error": error,
+        "messages": messages or [{"role": "system", "content": "You are an email agent."},
+                                 {"role": "user", "content": f"Question {qid}?"}],
+    }
+
+
+@pytest.fixture
+def records():
+    return [
+        _rec("trained", 1, correct=1, halluc=0, latency=1.0, valid=3, calls=3, cost=0.001),
+        _rec("base", 1, correct=0, halluc=0, idk=1, latency=5.0, valid=0, calls=0, cost=None),
+        _rec("trained", 2, correct=0, halluc=1, latency=2.0, valid=2, calls=4, cost=0.002),
+        _rec("base", 2, correct=1, latency=7.0, valid=0, calls=0, cost=0.01),
+        _rec("trained", 3, correct=1, latency=4.0, valid=1, calls=1, cost=0.003),
+        _rec("trained", 4, error="rollout crashed: boom", cost=None),
+    ]
+
+
+def test_wilson_interval_hand_values():
+    # z = 1.96, z^2/n = 0.38416 for n = 10.
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.38416 / 1.38416))
+    assert wilson_interval(10, 10) == pytest.approx((1 / 1.38416, 1.0))
+    lo, hi = wilson_interval(5, 10)
+    half = 1.96 / 1.38416 * (0.25 / 10 + 0.38416 / 40) ** 0.5
+    assert (lo, hi) == pytest.approx((0.5 - half, 0.5 + half))
+    assert (lo, hi) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 0.0)  # documented choice for "no data"
+
+
+def test_summarize_two_models(records):
+    s = summarize(records)
+    assert list(s["models"]) == ["trained", "base"]  # order of first appearance
+    assert s["n_questions"] == 4
+    t, b = s["models"]["trained"], s["models"]["base"]
+    assert (t["n"], t["n_errors"], t["n_scored"]) == (4, 1, 3)
+    assert t["accuracy"] == pytest.approx(2 / 3)  # the errored record is excluded, not counted wrong
+    assert t["accuracy_ci"] == pytest.approx(list(wilson_interval(2, 3)))
+    assert t["hallucination_rate"] == pytest.approx(1 / 3)
+    assert t["latency_p50_s"] == pytest.approx(2.0)
+    assert t["latency_p95_s"] == pytest.approx(3.8)  # linear interpolation over [1, 2, 4]
+    assert t["valid_tool_call_rate"] == pytest.approx(6 / 8)
+    assert t["cost_per_1k_usd"] == pytest.approx(2.0)  # errored record's missing cost does not count
+    assert t["avg_turns"] == pytest.approx(3.0)
+    assert t["mean_reward"] == pytest.approx(2 / 3)
+    assert b["cost_per_1k_usd"] is None  # one base record lacks a price
+    assert b["valid_tool_call_rate"] is None  # no tool calls at all
+    assert b["idk_rate"] == pytest.approx(0.5)
+    assert (b["n"], b["n_errors"], b["accuracy"]) == (2, 0, 0.5)
+
+
+def test_summarize_all_errored_model_has_no_accuracy():
+    m = summarize([_rec("x", 1, error="crash")])["models"]["x"]
+    assert m["accuracy"] is None and m["accuracy_ci"] is None and m["n_errors"] == 1
+
+
+def test_write_report_files_and_structure(tmp_path, records):
+    s = summarize(records)
+    paths = write_report(tmp_path / "out", records, s)
+    assert {p.name for p in paths.values()} == {"summary.json", "report.md", "report.html"}
+    assert json.loads(paths["summary"].read_text()) == json.loads(json.dumps(s))
+    page = paths["html"].read_text()
+    assert page.count('<tr class="model-row">') == 2
+    assert page.count('<details class="question"') == 4
+    assert "<link" not in page and "src=" not in page and "http" not in page  # self-contained
+    assert page.count("<svg") >= 5
+    md = paths["markdown"].read_text()
+    assert "66.7% [20.8–93.9]" in md
+    assert "| base |" in md and "—" in md  # base cost unknown
+    assert "Learning curve" not in md and "Learning curve" not in page
+
+
+def test_untrusted_text_is_escaped_and_secrets_scrubbed(tmp_path):
+    evil = "<script>alert(1)</script>"
+    messages = [
+        {"role": "system", "content": "key sk-abcdefgh12345678XYZ and Authorization: Bearer tok_123.secret"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_email", "arguments": '{"message_id": "<m1>"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Body: " + evil + "x" * 5000},
+    ]
+    recs = [_rec("m", 1, answer=evil, messages=messages)]
+    page = write_report(tmp_path, recs, summarize(recs))["html"].read_text()
+    assert evil not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "sk-abcdefgh" not in page and "tok_123" not in page
+    assert "sk-[redacted]" in page and "Bearer [redacted]" in page
+    assert "truncated 3,031 more characters" in page  # 5,031-char tool result cut to 2,000
+    assert "&quot;message_id&quot;: &quot;&lt;m1&gt;&quot;" in page  # pretty-printed, escaped arguments
+    assert len(re.findall(r"<script>", page)) == 1  # only the page's own filter script
+
+
+def test_trace_verdict_badges(tmp_path, records):
+    page = write_report(tmp_path, records, summarize(records))["html"].read_text()
+    for css in ("correct", "wrong", "idk", "error"):
+        assert f'class="badge {css}"' in page
+    # Only question 3 has no non-correct attempt (q1: base said I don't know, q2: wrong, q4: error).
+    assert page.count('data-haswrong="1"') == 3 and page.count('data-haswrong="0"') == 1
+
+
+def test_load_history_skips_corrupt_lines(tmp_path):
+    p = tmp_path / "history.jsonl"
+    p.write_text('{"step": 0, "val/reward": 0.1}\n\nnot json\n[1, 2]\n{"step": 5, "train/reward": 0.3}\n{"step": 10, "val/re')
+    assert load_history(p) == [{"step": 0, "val/reward": 0.1}, {"step": 5, "train/reward": 0.3}]
+
+
+def test_learning_curve_section_with_histories(tmp_path, records):
+    hist = {"run-a": [{"step": 0, "val/reward": 0.1, "val/answer_correct": 0.2}, {"step": 5, "train/reward": 0.5},
+                      {"step": 10, "val/reward": 0.4, "val/answer_correct": 0.6}],
+            "run-b": [{"step": 0, "val/reward": 0.05}]}
+    paths = write_report(tmp_path, records, summarize(records), histories=hist)
+    md, page = paths["markdown"].read_text(), paths["html"].read_text()
+    assert "## Learning curve" in md and "### run-a" in md
+    assert "| step | val/reward | val/answer_correct |" in md
+    assert "| 10 | 0.4 | 0.6 |" in md
+    assert "| 5 |" not in md  # train-only rows are not val points
+    assert "Learning curve" in page and page.count("<polyline") == 3  # reward: a+b, answer_correct: a
