@@ -1,0 +1,224 @@
+"""Rewards: deciding whether an answer is right (the verdict) and turning recorded facts into a number.
+
+Owns: the offline answer matcher, the LLM judge (litellm; cached, retried, failures recorded), the reward
+formulas (`shaped`, `judge` = binary), and RULER group scoring. It never calls the policy and never
+touches the database; the rollout records facts (a `Rubric`), this module scores them.
+
+Reward modes (`--reward`):
+  offline  shaped formula, verdict from the offline matcher (no network; the default with no judge)
+  shaped   shaped formula, verdict from the LLM judge (the default when a judge model is configured)
+  judge    1 if the LLM judge accepts the answer, else 0
+  ruler    RULER ranks each group's trajectories with a judge model (art.rewards.ruler_score_group)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import unicodedata
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REWARD_MODES = ("offline", "shaped", "judge", "ruler")
+IDK = "I don't know"
+
+
+@dataclass
+class Rubric:
+    """What happened in one episode. Recorded by the rollout; doubles as the trajectory's metrics."""
+
+    answer_correct: int = 0
+    sources_correct: int = 0
+    attempted_answer: int = 0  # gave a final answer other than "I don't know"
+    returned_i_dont_know: int = 0
+    hallucinated: int = 0  # attempted and wrong
+    num_turns: int = 0
+    ran_out_of_turns: int = 0
+    ever_found_right_email: int = 0  # a gold message_id appeared in search results
+    ever_read_right_email: int = 0
+    ever_read_invalid_email: int = 0  # read_email answered "not found"
+    tool_calls: int = 0
+    valid_tool_calls: int = 0
+    bad_tool_name: int = 0
+    bad_tool_args: int = 0
+    parse_errors: int = 0  # a reply with no tool call at all
+    extra_tool_calls: int = 0  # more than one call in a turn (only the first runs)
+    api_errors: int = 0  # the policy's API failed after retries (the episode ends)
+    judge_error: int = 0  # the judge failed; the offline matcher decided instead
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    latency_s: float = 0.0  # time waiting for the policy
+    env_s: float = 0.0  # time in tools and bookkeeping
+
+    @property
+    def bad_calls(self) -> int:
+        return self.bad_tool_name + self.bad_tool_args + self.parse_errors + self.extra_tool_calls
+
+
+@dataclass
+class Verdict:
+    correct: bool
+    judge: str  # "offline" or the judge model's name
+    reasoning: str = ""
+    error: str | None = None  # set when the judge failed and the offline matcher decided
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdicts
+# ----------------------------------------------------------------------------------------------
+
+def normalize_answer(text: str) -> str:
+    """Lower-case; accents, punctuation and symbols dropped (digit groups like 4,000 or 2.4 joined); no articles."""
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    text = re.sub(r"(?<=\d)[.,](?=\d)", "", text)  # 4,000 -> 4000 ; 2.4 -> 24 on both sides alike
+    text = re.sub(r"[^a-z0-9]+", " ", text)  # "$2.4 million" and "2.4 million" normalise alike
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
+
+
+def is_i_dont_know(answer: str) -> bool:
+    return normalize_answer(answer) in ("i don t know", "i dont know", "i do not know")
+
+
+def offline_verdict(answer: str, gold: str) -> Verdict:
+    """Correct when the normalised gold answer appears, as whole words, in a reasonably short answer.
+
+    The length cap stops an agent from being right by pasting a whole email as its answer.
+    """
+    got, want = normalize_answer(answer), normalize_answer(gold)
+    if not want or is_i_dont_know(answer):
+        return Verdict(False, "offline", "empty gold answer" if not want else "answered I don't know")
+    contained = f" {want} " in f" {got} "
+    short_enough = len(got) <= max(3 * len(want), len(want) + 60)
+    reason = "gold answer found in the answer" if contained else "gold answer not in the answer"
+    if contained and not short_enough:
+        reason = "gold answer buried in an over-long answer"
+    return Verdict(contained and short_enough, "offline", reason)
+
+
+JUDGE_PROMPT = """You grade answers to questions about a person's email inbox.
+Decide whether the AI's answer gives the same key facts as the reference answer. Extra detail is fine;
+a missing, different or contradicting key fact (a name, number, date, place) is not. "I don't know" is
+never correct.
+Reply with JSON only: {"reasoning": "<one sentence>", "accept": true|false}"""
+
+
+@dataclass
+class LLMJudge:
+    """An LLM that decides whether an answer matches the gold answer, through litellm.
+
+    `model` is a litellm name (e.g. "openai/gpt-4.1-mini", "hosted_vllm/qwen" with api_base). Verdicts are
+    cached in memory and, with cache_path, on disk, so re-judging the same answer costs nothing.
+    """
+
+    model: str
+    api_base: str | None = None
+    api_key: str | None = None
+    retries: int = 3
+    timeout: float = 60.0
+    cache_path: Path | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.cache_path and Path(self.cache_path).exists():
+            for line in Path(self.cache_path).read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    self._cache[row["key"]] = Verdict(**row["verdict"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a torn last line from an interrupted run
+
+    def litellm_params(self) -> dict:
+        params = {"api_base": self.api_base, "api_key": self.api_key, "timeout": self.timeout}
+        return {k: v for k, v in params.items() if v is not None}
+
+    async def verdict(self, question: str, gold: str, answer: str) -> Verdict:
+        if is_i_dont_know(answer):
+            return Verdict(False, self.model, "answered I don't know")
+        key = hashlib.sha256(json.dumps([self.model, question, gold, answer]).encode()).hexdigest()
+        if key in self._cache:
+            return self._cache[key]
+        import litellm
+
+        messages = [{"role": "system", "content": JUDGE_PROMPT},
+                    {"role": "user", "content": f"Question: {question}\nReference answer: {gold}\nAI answer: {answer}"}]
+        last_error = None
+        for attempt in range(self.retries):
+            try:
+                response = await litellm.acompletion(model=self.model, messages=messages, temperature=0,
+                                                     max_tokens=300, **self.litellm_params())
+                verdict = parse_judge_reply(response.choices[0].message.content or "", self.model)
+                break
+            except Exception as exc:  # network, rate limit, malformed reply: all retried, then recorded
+                last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+                await asyncio.sleep(min(2 ** attempt, 10))
+        else:
+            fallback = offline_verdict(answer, gold)
+            return Verdict(fallback.correct, "offline", fallback.reasoning,
+                           error=f"judge {self.model} failed after {self.retries} tries ({last_error})")
+        self._cache[key] = verdict
+        if self.cache_path:
+            with open(self.cache_path, "a") as f:
+                f.write(json.dumps({"key": key, "verdict": asdict(verdict)}) + "\n")
+        return verdict
+
+
+def parse_judge_reply(text: str, judge: str) -> Verdict:
+    """The judge's JSON reply -> Verdict (ValueError if it has no usable verdict, so the call is retried)."""
+    match = re.search(r"\{.*\}", text, re.S)
+    if match is None:
+        raise ValueError(f"judge reply has no JSON: {text[:80]!r}")
+    reply = json.loads(match.group(0))
+    if not isinstance(reply.get("accept"), bool):
+        raise ValueError(f"judge reply has no boolean 'accept': {text[:80]!r}")
+    return Verdict(reply["accept"], judge, str(reply.get("reasoning", ""))[:500])
+
+
+def judge_from_env(model: str | None = None, api_base: str | None = None, cache_path: Path | None = None) -> LLMJudge | None:
+    """The judge named by flags or JUDGE_MODEL / JUDGE_API_BASE / JUDGE_API_KEY; None when none is configured."""
+    model = model or os.environ.get("JUDGE_MODEL")
+    if not model:
+        return None
+    return LLMJudge(model, api_base=api_base or os.environ.get("JUDGE_API_BASE"),
+                    api_key=os.environ.get("JUDGE_API_KEY"), cache_path=cache_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward formulas  (the place to tune: keep correct > "I don't know" > wrong in every case)
+# ----------------------------------------------------------------------------------------------
+
+def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
+    """ART·E's bands, with its dead 1/num_sources bonus made live and a small format penalty.
+
+      correct            1 + 0.3 sources_correct + 0.1/num_sources (precise citing) + 0.1 (1 - turns/max_turns)
+      I don't know/none  0 + partial credit
+      wrong answer       -1 + partial credit  (a hallucination costs more than admitting ignorance)
+      partial credit     +0.1 each: found the right email in a search, read it, cited it      (<= 0.3)
+      every branch       -0.1 per bad call (unknown tool, bad arguments, no tool call, extra calls), at most -0.5
+    So a correct answer scores in [0.5, 1.5], "I don't know" in [-0.5, 0.3], a wrong one in [-1.5, -0.7].
+    """
+    penalty = min(0.1 * r.bad_calls, 0.5)
+    if r.answer_correct:
+        precision = 0.1 / num_sources if r.sources_correct and num_sources else 0.0
+        return 1 + 0.3 * r.sources_correct + precision + 0.1 * (1 - r.num_turns / max_turns) - penalty
+    partial = 0.1 * (r.ever_found_right_email + r.ever_read_right_email + r.sources_correct)
+    if r.attempted_answer:
+        return -1 + partial - penalty
+    return partial - penalty
+
+
+def reward(mode: str, r: Rubric, max_turns: int, num_sources: int) -> float:
+    if mode == "judge":
+        return float(r.answer_correct)
+    # "ruler" trajectories keep the shaped value as their independent reward until RULER rescales the group.
+    return shaped_reward(r, max_turns, num_sources)
+
+
+async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None = None):
+    """RULER over one group (for `gather_trajectory_groups(after_each=...)`); a failed call drops the group."""
+    from art.rewards import ruler_score_group
+
+    return await ruler_score_group(group, judge_model, extra_litellm_params=extra_litellm_params,
+                                   swallow_exceptions=True)

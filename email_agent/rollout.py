@@ -1,0 +1,192 @@
+"""One episode: a policy answers one question with the tools, and the episode becomes an `art.Trajectory`.
+
+Owns: the system prompt, the turn loop, how tool calls are dispatched and mistakes recorded, and the
+`Policy` (any OpenAI-compatible chat-completions endpoint: a LoRA served by vLLM or the CPU backend, or a
+prompted model). It records facts in a `Rubric`; `rewards` turns them into a number. Training and
+evaluation both call `rollout`, so there is one copy of the agent loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import art
+import openai
+from openai import AsyncOpenAI
+
+from . import rewards
+from .data import EmailDB
+from .questions import Question
+from .rewards import Rubric
+from .tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
+
+# ---- ALGO LOGIC: the prompt the agent starts from (a place to tune) ----------------------------------
+SYSTEM_PROMPT = """You are an email search agent. Answer the user's question by searching their inbox with the tools.
+The user's email address is {inbox}. Today's date is {today}.
+You have up to {max_turns} turns. Search with a few specific keywords from the question, read the most
+promising email, and try other keywords if a search finds nothing. When you find the answer, call
+return_final_answer with a short answer and the message_id of the email it comes from. If the inbox does
+not contain the answer, call return_final_answer with "I don't know" and no sources."""
+
+
+@dataclass
+class Policy:
+    """Who plays the agent: a model behind an OpenAI-compatible chat-completions API.
+
+    Timeouts and retries of transient errors (connection, 429, 5xx) are the client's (`AsyncOpenAI(timeout=...,
+    max_retries=...)`); a call that still fails ends the episode and is recorded, never raised.
+    """
+
+    client: AsyncOpenAI
+    model: str
+    temperature: float | None = 1.0  # None: the server's default (o-series models accept no other)
+    max_tokens: int = 1024
+    logprobs: bool = True  # what ART trains on; prompted OpenAI reasoning models reject it
+    tool_choice: str | None = None  # e.g. "required" for prompted models; trainable ones learn to call tools
+    max_concurrency: int = 16
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_model(cls, model: art.Model, **kwargs) -> "Policy":
+        """The current checkpoint of a registered ART model (served as name@step)."""
+        client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key or "none",
+                             timeout=kwargs.pop("timeout", 300.0), max_retries=kwargs.pop("max_retries", 2))
+        return cls(client, model.get_inference_name(), **kwargs)
+
+    async def complete(self, messages: list[dict]):
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+        request = {"model": self.model, "messages": messages, "tools": TOOLS,
+                   "max_completion_tokens": self.max_tokens}
+        if self.temperature is not None:
+            request["temperature"] = self.temperature
+        if self.logprobs:
+            request["logprobs"] = True
+        if self.tool_choice:
+            request["tool_choice"] = self.tool_choice
+        async with self._slots:
+            return await self.client.chat.completions.create(**request)
+
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 10
+    max_body_chars: int = 4000  # read_email cuts longer bodies (the CPU preset uses less)
+    reward: str = "offline"  # see rewards.REWARD_MODES
+    judge: rewards.LLMJudge | None = None
+
+
+def assistant_message(choice) -> dict:
+    """A response Choice as the next request's assistant message (arguments passed back exactly as sent)."""
+    message = {"role": "assistant", "content": choice.message.content}
+    if choice.message.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in choice.message.tool_calls]
+    return message
+
+
+async def rollout(policy: Policy, question: Question, db: EmailDB, config: RolloutConfig) -> art.Trajectory:
+    inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=config.max_body_chars)
+    gold = set(question.message_ids)
+    rubric = Rubric()
+    system = SYSTEM_PROMPT.format(inbox=question.inbox_address, today=question.query_date, max_turns=config.max_turns)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question.question}]
+    traj = art.Trajectory(messages_and_choices=list(messages), tools=TOOLS, reward=0.0,
+                          metadata={"question_id": question.id, "inbox": question.inbox_address,
+                                    "split": question.split, "policy": policy.model})
+    answer, sources, error = None, [], None
+
+    while answer is None and rubric.num_turns < config.max_turns:
+        started = time.perf_counter()
+        try:
+            response = await policy.complete(messages)
+        except openai.APIError as exc:  # after the client's own retries: timeouts, 4xx/5xx, refused connections
+            rubric.api_errors += 1
+            error = f"policy API error: {type(exc).__name__}: {str(exc)[:300]}"
+            rubric.latency_s += time.perf_counter() - started
+            break
+        rubric.latency_s += time.perf_counter() - started
+        env_started = time.perf_counter()
+        rubric.num_turns += 1
+        if response.usage:
+            rubric.prompt_tokens += response.usage.prompt_tokens or 0
+            rubric.completion_tokens += response.usage.completion_tokens or 0
+        choice = response.choices[0]
+        traj.messages_and_choices.append(choice)
+        messages.append(assistant_message(choice))
+        calls = choice.message.tool_calls or []
+        if not calls:
+            rubric.parse_errors += 1
+            nudge = "Error: reply with a tool call (search_inbox, read_email or return_final_answer), not plain text."
+            messages.append({"role": "user", "content": nudge})
+            traj.messages_and_choices.append(messages[-1])
+        for index, call in enumerate(calls):
+            rubric.tool_calls += 1
+            if index > 0:  # one action per turn keeps episodes comparable; the model is told why
+                rubric.extra_tool_calls += 1
+                outcome = ToolOutcome(call.function.name, "Error: only the first tool call of a turn is run; "
+                                                          "make one call per turn.", "extra_tool_call")
+            elif call.function.name == "return_final_answer":
+                try:
+                    args = parse_arguments("return_final_answer", call.function.arguments)
+                    answer, sources = args["answer"], args["sources"]
+                    outcome = ToolOutcome(call.function.name, "Answer recorded.", None, args)
+                except ValueError as exc:
+                    outcome = ToolOutcome(call.function.name, f"Error: {exc}.", "bad_tool_args")
+            else:
+                outcome = call_tool(inbox, call.function.name, call.function.arguments)
+            record_outcome(rubric, outcome, gold)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": outcome.content})
+            traj.messages_and_choices.append(messages[-1])
+        rubric.env_s += time.perf_counter() - env_started
+
+    if answer is None and error is None and rubric.num_turns >= config.max_turns:
+        rubric.ran_out_of_turns = 1
+    verdict = await grade(rubric, question, answer, sources, config)
+    traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources))
+    traj.metrics = {k: v for k, v in asdict(rubric).items()}
+    traj.metadata.update({"answer": answer, "sources": json.dumps(sources), "error": error,
+                          "verdict_judge": verdict.judge if verdict else None,
+                          "verdict_reasoning": verdict.reasoning if verdict else None,
+                          "verdict_error": verdict.error if verdict else None})
+    return traj.finish()
+
+
+def record_outcome(rubric: Rubric, outcome: ToolOutcome, gold: set[str]) -> None:
+    if outcome.error == "bad_tool_name":
+        rubric.bad_tool_name += 1
+    elif outcome.error == "bad_tool_args":
+        rubric.bad_tool_args += 1
+    elif outcome.error is None:
+        rubric.valid_tool_calls += 1
+        if outcome.name == "search_inbox" and gold & {r["message_id"] for r in outcome.result}:
+            rubric.ever_found_right_email = 1
+        elif outcome.name == "read_email":
+            if outcome.result is None:
+                rubric.ever_read_invalid_email = 1
+            elif outcome.result["message_id"] in gold:
+                rubric.ever_read_right_email = 1
+
+
+async def grade(rubric: Rubric, question: Question, answer: str | None, sources: list[str],
+                config: RolloutConfig) -> rewards.Verdict | None:
+    """Fill in the outcome fields of the rubric; returns the verdict (None when there was no answer)."""
+    if answer is None:
+        return None
+    rubric.sources_correct = int(bool(sources) and set(question.message_ids) <= set(sources))
+    if rewards.is_i_dont_know(answer):
+        rubric.returned_i_dont_know = 1
+        return rewards.Verdict(False, "rule", "answered I don't know")
+    rubric.attempted_answer = 1
+    if config.judge is not None:
+        verdict = await config.judge.verdict(question.question, question.answer, answer)
+    else:
+        verdict = rewards.offline_verdict(answer, question.answer)
+    rubric.judge_error = int(verdict.error is not None)
+    rubric.answer_correct = int(verdict.correct)
+    rubric.hallucinated = int(not verdict.correct)
+    return verdict

@@ -1,0 +1,178 @@
+"""Real rollouts against the demo inbox (and the Enron sample) driven by a scripted policy server."""
+
+import asyncio
+import json
+
+import pytest
+from openai import AsyncOpenAI
+
+from conftest import needs_enron
+from email_agent import questions as qmod
+from email_agent.questions import Question
+from email_agent.rewards import Rubric, shaped_reward
+from email_agent.rollout import Policy, RolloutConfig, rollout
+from scripted_server import ScriptedServer, call
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def play(db, script_by_question, qs, config=None, timeout=10.0, max_retries=0):
+    async with ScriptedServer(script_by_question) as server:
+        client = AsyncOpenAI(base_url=server.base_url, api_key="test", timeout=timeout, max_retries=max_retries)
+        policy = Policy(client, "scripted")
+        trajs = await asyncio.gather(*(rollout(policy, q, db, config or RolloutConfig()) for q in qs))
+        await client.close()
+        return trajs, server
+
+
+@pytest.fixture(scope="module")
+def q(demo_db):
+    """A demo test question whose gold email search finds with the question's own keywords."""
+    return next(x for x in qmod.select_questions(demo_db, "test") if "Glasgow" in x.question)
+
+
+def expert_script(db, question: Question, answer=None, sources=None):
+    keywords = [w.strip("?,.'s") for w in question.question.split()[1:] if w[:1].isupper() and len(w) > 3]
+    return [call("search_inbox", {"keywords": keywords[:2]}),
+            call("read_email", {"message_id": question.message_ids[0]}),
+            call("return_final_answer", {"answer": answer or question.answer,
+                                         "sources": question.message_ids if sources is None else sources})]
+
+
+def test_correct_path(demo_db, q):
+    (traj,), server = run(play(demo_db, {q.question: expert_script(demo_db, q)}, [q]))
+    m = traj.metrics
+    assert (m["answer_correct"], m["sources_correct"], m["attempted_answer"], m["hallucinated"]) == (1, 1, 1, 0)
+    assert (m["num_turns"], m["tool_calls"], m["valid_tool_calls"]) == (3, 3, 3)
+    assert (m["ever_found_right_email"], m["ever_read_right_email"], m["ever_read_invalid_email"]) == (1, 1, 0)
+    assert m["bad_tool_name"] == m["bad_tool_args"] == m["parse_errors"] == m["ran_out_of_turns"] == 0
+    assert (m["prompt_tokens"], m["completion_tokens"]) == (300, 30)
+    assert traj.reward == pytest.approx(1 + 0.3 + 0.1 + 0.1 * (1 - 3 / 10))
+    assert traj.metadata["answer"] == q.answer and json.loads(traj.metadata["sources"]) == q.message_ids
+    # the model saw the real tool results, and the system prompt binds inbox and date
+    sent = server.requests[-1]["messages"]
+    assert q.inbox_address in sent[0]["content"] and q.query_date in sent[0]["content"]
+    assert q.message_ids[0] in sent[3]["content"]  # search results
+    assert q.answer in json.loads(sent[5]["content"])["body"]  # the email read
+    assert [t["function"]["name"] for t in server.requests[0]["tools"]] == ["search_inbox", "read_email",
+                                                                            "return_final_answer"]
+
+
+def test_hallucination_and_idk(demo_db, q):
+    wrong = {q.question: [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})]}
+    (traj,), _ = run(play(demo_db, wrong, [q]))
+    assert (traj.metrics["attempted_answer"], traj.metrics["hallucinated"], traj.metrics["answer_correct"]) == (1, 1, 0)
+    assert traj.reward == pytest.approx(-1.0)
+    idk = {q.question: [call("search_inbox", {"keywords": ["zebra"]}),
+                        call("return_final_answer", {"answer": "I don't know", "sources": []})]}
+    (traj,), _ = run(play(demo_db, idk, [q]))
+    assert (traj.metrics["returned_i_dont_know"], traj.metrics["hallucinated"], traj.metrics["attempted_answer"]) == (1, 0, 0)
+    assert traj.reward == pytest.approx(0.0)
+
+
+BAD_CALLS = [
+    ("unknown tool", call("delete_inbox", {}), "bad_tool_name", "no tool 'delete_inbox'"),
+    ("not JSON", call("search_inbox", "{keywords: [falcon"), "bad_tool_args", "not valid JSON"),
+    ("JSON list", call("search_inbox", "[1, 2]"), "bad_tool_args", "must be a JSON object"),
+    ("unexpected kwarg", call("read_email", {"message_ids": ["x"]}), "bad_tool_args", "no argument 'message_ids'"),
+    ("wrong type", call("search_inbox", {"keywords": "falcon review"}), "bad_tool_args", "must be a list of strings"),
+    ("wrong int type", call("search_inbox", {"keywords": ["x"], "max_results": "5"}), "bad_tool_args", "an integer"),
+    ("missing required", call("read_email", {}), "bad_tool_args", "needs 'message_id'"),
+    ("bad date", call("search_inbox", {"keywords": ["x"], "sent_after": "last week"}), "bad_tool_args", "a date like"),
+    ("empty keywords", call("search_inbox", {"keywords": ["", " "]}), "bad_tool_args", "non-empty keyword"),
+    ("final answer w/o sources", call("return_final_answer", {"answer": "x"}), "bad_tool_args", "needs 'sources'"),
+    ("plain text", {"text": "The meeting is on Tuesday."}, "parse_errors", "reply with a tool call"),
+    ("two calls", {"calls": [("search_inbox", {"keywords": ["x"]}), ("read_email", {"message_id": "y"})]},
+     "extra_tool_calls", "only the first tool call"),
+]
+
+
+@pytest.mark.parametrize("label,bad,counter,message", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_calls_are_reported_and_recoverable(demo_db, q, label, bad, counter, message):
+    script = {q.question: [bad] + expert_script(demo_db, q)}
+    (traj,), server = run(play(demo_db, script, [q]))
+    m = traj.metrics
+    assert m[counter] == 1
+    assert sum(m[k] for k in ("bad_tool_name", "bad_tool_args", "parse_errors", "extra_tool_calls")) == 1
+    feedback = [m["content"] for m in server.requests[1]["messages"][3:]]  # what the model saw after its turn
+    assert [f for f in feedback if f.startswith("Error") and message in f]
+    assert m["answer_correct"] == 1 and m["num_turns"] == 4  # it recovered
+    assert traj.reward == pytest.approx(1 + 0.3 + 0.1 + 0.1 * (1 - 4 / 10) - 0.1)
+
+
+def test_max_turns_exhaustion(demo_db, q):
+    script = {q.question: [call("search_inbox", {"keywords": ["zebra"]})] * 3}
+    (traj,), _ = run(play(demo_db, script, [q], RolloutConfig(max_turns=3)))
+    assert (traj.metrics["ran_out_of_turns"], traj.metrics["num_turns"], traj.metrics["attempted_answer"]) == (1, 3, 0)
+    assert traj.reward == 0.0 and traj.metadata["answer"] is None
+
+
+def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
+    script = {q.question: [call("search_inbox", {"keywords": ["zebra"]}), {"status": 500}]}
+    (traj,), server = run(play(demo_db, script, [q], max_retries=1))
+    assert traj.metrics["api_errors"] == 1 and traj.metrics["num_turns"] == 1
+    assert "InternalServerError" in traj.metadata["error"]
+    assert len(server.requests) == 3  # the client retried the 500 once
+    slow = {q.question: [{"sleep": 5, "text": "late"}]}
+    (traj,), _ = run(play(demo_db, slow, [q], timeout=0.5))
+    assert traj.metrics["api_errors"] == 1 and "Timeout" in traj.metadata["error"]
+
+
+def test_cannot_read_other_inboxes_or_future_mail(demo_db, q):
+    other = demo_db.conn.execute(
+        "SELECT message_id FROM emails e WHERE NOT EXISTS (SELECT 1 FROM mailbox m WHERE m.address = ? "
+        "AND m.email_id = e.id) LIMIT 1", (q.inbox_address,)).fetchone()[0]
+    future = demo_db.conn.execute(
+        "SELECT message_id FROM emails e WHERE date >= ? AND EXISTS (SELECT 1 FROM mailbox m WHERE m.address = ? "
+        "AND m.email_id = e.id) LIMIT 1", (q.query_date + " 23:59:59", q.inbox_address)).fetchone()[0]
+    script = {q.question: [call("read_email", {"message_id": other}), call("read_email", {"message_id": future}),
+                           call("search_inbox", {"keywords": ["larkspur"], "max_results": 20,
+                                                 "to_address": "someone.else@larkspur.example"}),
+                           call("search_inbox", {"keywords": ["larkspur"], "sent_after": "2030-01-01"}),
+                           call("search_inbox", {"keywords": ['") OR 1=1 --', "*", "NEAR(a b)"]})]}
+    (traj,), server = run(play(demo_db, script, [q], RolloutConfig(max_turns=5)))
+    contents = [m["content"] for m in server.requests[-1]["messages"] if m["role"] == "tool"]
+    assert "no email with message_id" in contents[0] and "no email with message_id" in contents[1]
+    assert traj.metrics["ever_read_invalid_email"] == 1 and traj.metrics["bad_tool_args"] == 0
+    visible = {r["message_id"] for c in contents[2:] if c.startswith("[") for r in json.loads(c)}
+    for mid in visible:
+        assert demo_db.read(mid, inbox=q.inbox_address, visible_until=None).date < q.query_date + " 24"
+
+
+def test_concurrent_rollouts(demo_db):
+    qs = qmod.select_questions(demo_db, "train", limit=12)
+    scripts = {x.question: expert_script(demo_db, x) for x in qs}
+    trajs, _ = run(play(demo_db, scripts, qs))
+    assert [t.metadata["question_id"] for t in trajs] == [x.id for x in qs]
+    assert all(t.metrics["sources_correct"] == 1 and t.metrics["answer_correct"] == 1 for t in trajs)
+
+
+def test_reward_ordering_holds_everywhere():
+    """correct > "I don't know" > wrong, whatever the partial credit and penalties."""
+    import itertools
+
+    worst_correct, best_idk, worst_idk, best_wrong = 9, -9, 9, -9
+    for found, read, cited, bad, turns in itertools.product((0, 1), (0, 1), (0, 1), (0, 3, 9), (1, 10)):
+        base = dict(ever_found_right_email=found, ever_read_right_email=read, sources_correct=cited,
+                    bad_tool_args=bad, num_turns=turns)
+        worst_correct = min(worst_correct, shaped_reward(Rubric(answer_correct=1, attempted_answer=1, **base), 10, 1))
+        idk = shaped_reward(Rubric(returned_i_dont_know=1, **base), 10, 1)
+        best_idk, worst_idk = max(best_idk, idk), min(worst_idk, idk)
+        best_wrong = max(best_wrong, shaped_reward(Rubric(attempted_answer=1, hallucinated=1, **base), 10, 1))
+    assert worst_correct > best_idk and worst_idk > best_wrong
+
+
+@needs_enron
+def test_rollout_on_real_enron_sample(enron_db):
+    inbox = "gerald.nemec@enron.com"
+    hit = enron_db.search(inbox, ["falcon", "gas"])[0]
+    email = enron_db.read(hit.message_id)
+    question = Question(1, "What company do we want to do a transaction with for base gas?", "Falcon Gas",
+                        [hit.message_id], 1.0, inbox, email.date[:10], "test")
+    script = {question.question: [call("search_inbox", {"keywords": ["falcon", "gas"]}),
+                                  call("read_email", {"message_id": hit.message_id}),
+                                  call("return_final_answer", {"answer": "Falcon Gas", "sources": [hit.message_id]})]}
+    (traj,), _ = run(play(enron_db, script, [question]))
+    assert traj.metrics["answer_correct"] == 1 and traj.metrics["ever_read_right_email"] == 1
