@@ -131,7 +131,9 @@ class LLMJudge:
                     continue  # a torn last line from an interrupted run
 
     def litellm_params(self) -> dict:
-        params = {"api_base": self.api_base, "api_key": self.api_key, "timeout": self.timeout}
+        # A local OpenAI-compatible judge often needs no key, but the client refuses to send none.
+        api_key = self.api_key or ("none" if self.api_base else None)
+        params = {"api_base": self.api_base, "api_key": api_key, "timeout": self.timeout}
         return {k: v for k, v in params.items() if v is not None}
 
     async def verdict(self, question: str, gold: str, answer: str) -> Verdict:
@@ -142,6 +144,7 @@ class LLMJudge:
             return self._cache[key]
         import litellm
 
+        litellm.suppress_debug_info = True  # failures are recorded on the verdict, not printed as banners
         messages = [{"role": "system", "content": JUDGE_PROMPT},
                     {"role": "user", "content": f"Question: {question}\nReference answer: {gold}\nAI answer: {answer}"}]
         last_error = None

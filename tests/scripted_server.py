@@ -1,6 +1,8 @@
 """A scripted stand-in for the LLM: an OpenAI-compatible chat-completions server on 127.0.0.1.
 
-Each question (the first user message) has a script: a list of replies, one per assistant turn. A reply is
+Each question (the first user message) has a script: a list of replies, one per assistant turn; scripts
+may also be keyed by model name first ({model: {question: script}}), and "*" is the script for any other
+question (e.g. a judge's reply). A reply is
 a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args), ...]} for several,
 {"text": "..."} for plain text, {"status": 500} for an HTTP error, {"sleep": s} to stall. A question with
 no script gets {"status": 404}. Tests and benches use it; the real model path is the CPU backend.
@@ -9,14 +11,25 @@ no script gets {"status": 404}. Tests and benches use it; the real model path is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import threading
 
 from aiohttp import web
 
 
 def call(name, args):
     return {"tool": name, "args": args}
+
+
+def expert_script(question, answer=None, sources=None):
+    """Search with the question's capitalised words, read the gold email, answer (for tests only)."""
+    keywords = [w.strip("?,.'s") for w in question.question.split()[1:] if w[:1].isupper() and len(w) > 3]
+    return [call("search_inbox", {"keywords": keywords[:2]}),
+            call("read_email", {"message_id": question.message_ids[0]}),
+            call("return_final_answer", {"answer": answer or question.answer,
+                                         "sources": question.message_ids if sources is None else sources})]
 
 
 class ScriptedServer:
@@ -31,7 +44,8 @@ class ScriptedServer:
         self.requests.append(body)
         messages = body["messages"]
         question = next(m["content"] for m in messages if m["role"] == "user")
-        script = self.scripts.get(question)
+        scripts = self.scripts.get(body["model"], self.scripts)
+        script = scripts.get(question, scripts.get("*"))
         turn = sum(m["role"] == "assistant" for m in messages)
         if script is None or turn >= len(script):
             return web.json_response({"error": {"message": "no script for this turn"}}, status=404)
@@ -54,7 +68,7 @@ class ScriptedServer:
     async def __aenter__(self) -> "ScriptedServer":
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._completions)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
         await self._runner.setup()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -65,3 +79,20 @@ class ScriptedServer:
 
     async def __aexit__(self, *exc):
         await self._runner.cleanup()
+
+
+@contextlib.contextmanager
+def serve_in_thread(scripts):
+    """The server on its own event loop in a thread, for code under test that runs its own loop."""
+    loop = asyncio.new_event_loop()
+    server = ScriptedServer(scripts)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.__aexit__(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

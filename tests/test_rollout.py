@@ -11,7 +11,7 @@ from email_agent import questions as qmod
 from email_agent.questions import Question
 from email_agent.rewards import Rubric, shaped_reward
 from email_agent.rollout import Policy, RolloutConfig, rollout
-from scripted_server import ScriptedServer, call
+from scripted_server import ScriptedServer, call, expert_script
 
 
 def run(coro):
@@ -33,16 +33,8 @@ def q(demo_db):
     return next(x for x in qmod.select_questions(demo_db, "test") if "Glasgow" in x.question)
 
 
-def expert_script(db, question: Question, answer=None, sources=None):
-    keywords = [w.strip("?,.'s") for w in question.question.split()[1:] if w[:1].isupper() and len(w) > 3]
-    return [call("search_inbox", {"keywords": keywords[:2]}),
-            call("read_email", {"message_id": question.message_ids[0]}),
-            call("return_final_answer", {"answer": answer or question.answer,
-                                         "sources": question.message_ids if sources is None else sources})]
-
-
 def test_correct_path(demo_db, q):
-    (traj,), server = run(play(demo_db, {q.question: expert_script(demo_db, q)}, [q]))
+    (traj,), server = run(play(demo_db, {q.question: expert_script(q)}, [q]))
     m = traj.metrics
     assert (m["answer_correct"], m["sources_correct"], m["attempted_answer"], m["hallucinated"]) == (1, 1, 1, 0)
     assert (m["num_turns"], m["tool_calls"], m["valid_tool_calls"]) == (3, 3, 3)
@@ -91,7 +83,7 @@ BAD_CALLS = [
 
 @pytest.mark.parametrize("label,bad,counter,message", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
 def test_bad_calls_are_reported_and_recoverable(demo_db, q, label, bad, counter, message):
-    script = {q.question: [bad] + expert_script(demo_db, q)}
+    script = {q.question: [bad] + expert_script(q)}
     (traj,), server = run(play(demo_db, script, [q]))
     m = traj.metrics
     assert m[counter] == 1
@@ -143,7 +135,7 @@ def test_cannot_read_other_inboxes_or_future_mail(demo_db, q):
 
 def test_concurrent_rollouts(demo_db):
     qs = qmod.select_questions(demo_db, "train", limit=12)
-    scripts = {x.question: expert_script(demo_db, x) for x in qs}
+    scripts = {x.question: expert_script(x) for x in qs}
     trajs, _ = run(play(demo_db, scripts, qs))
     assert [t.metadata["question_id"] for t in trajs] == [x.id for x in qs]
     assert all(t.metrics["sources_correct"] == 1 and t.metrics["answer_correct"] == 1 for t in trajs)

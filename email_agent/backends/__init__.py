@@ -1,0 +1,1 @@
+"""Training/serving backends for the email agent."""
