@@ -4,16 +4,25 @@
     python train_email_search_agent.py build-db                 # the Enron corpus + ART·E questions from Hugging Face
     python train_email_search_agent.py search --inbox ADDRESS KEYWORD...   # the agent's search tool, for humans
     python train_email_search_agent.py read MESSAGE_ID          # the agent's read tool, for humans
+    python train_email_search_agent.py train --demo             # GRPO on the demo inbox, CPU, offline
+    python train_email_search_agent.py train --name qwen7b      # GRPO on Enron; GPU (ART LocalBackend) if present
 
-Subcommands stay thin: each parses its flags, calls one function of the `email_agent` package and prints.
+Subcommands stay thin: each parses its flags, calls one function of the `email_agent` package and prints;
+`train` shows the whole loop: pick questions, gather groups of rollouts, train, log, validate, checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import shutil
+import signal
 import sys
 import textwrap
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
 from email_agent.data import DataError, EmailDB
@@ -112,6 +121,270 @@ def read(args) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# train: the configuration, then the loop
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainConfig:
+    # run
+    name: str = "agent"  # run name: checkpoints and logs go to <art-dir>/<project>/models/<name>
+    project: str = "email-agent"  # ART project (also the W&B project)
+    art_dir: str = ".art"  # where runs live
+    fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
+    seed: int = 0  # one seed for question order, sampling and LoRA init
+    backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
+    base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
+    # data
+    demo: bool = False  # the bundled demo inbox (builds data/demo.db if missing) with the small CPU preset
+    db: str = DEFAULT_DB  # database from build-db
+    train_limit: int = 0  # use only the first N training questions (0: all)
+    val_size: int = 100  # validation questions, held out of the *train* split (the test split stays unseen)
+    single_source: bool = True  # only questions answered by one email (as ART·E trains)
+    min_realistic: float = 0.0  # only questions with how_realistic >= this
+    # ---- ALGO LOGIC: GRPO hyperparameters (ART·E agent_008 on GPU) ----
+    groups_per_step: int = 12  # questions per step
+    rollouts_per_group: int = 4  # rollouts per question; GRPO compares them
+    num_epochs: int = 3  # passes over the training questions
+    max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
+    learning_rate: float = 1.2e-5
+    max_turns: int = 10  # agent turns per question
+    max_tokens: int = 1024  # tokens per model reply
+    max_body_chars: int = 4000  # read_email cuts longer bodies
+    temperature: float = 1.0  # rollout sampling temperature
+    eval_every: int = 30  # validate every N steps (and at the end)
+    keep_checkpoints: str = "best"  # best: keep the latest and the best (val/reward) checkpoint; all: keep every one
+    # rewards
+    reward: str = ""  # offline | shaped | judge | ruler; default: shaped with a judge, offline without
+    judge_model: str = ""  # litellm model name of the judge (or JUDGE_MODEL)
+    judge_base_url: str = ""  # api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE)
+    ruler_model: str = ""  # judge for --reward ruler (default: the judge model)
+    # warm start (supervised, before RL)
+    sft_from: str = ""  # demo-expert, or an evaluation folder of a teacher model (its judged-correct episodes)
+    sft_only: bool = False  # stop after the warm start
+    sft_limit: int = 0  # use at most N warm-start trajectories (0: all)
+    sft_epochs: int = 1  # passes over the warm-start trajectories (one checkpoint each)
+    sft_learning_rate: float = 1e-4
+    sft_batch_size: int = 8  # trajectories per optimiser step
+    # GPU (local backend) memory settings and LoRA shape
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    gpu_memory_utilization: float = 0.8  # vLLM's share of the GPU; 0.6-0.7 when a 7B run shares a 24 GB card
+    max_seq_length: int = 8192  # trainer and vLLM context
+    enforce_eager: bool = False  # skip CUDA-graph capture (saves memory on 24 GB cards)
+    max_num_seqs: int = 64  # concurrent sequences in vLLM
+    concurrency: int = 32  # simultaneous rollouts
+    wandb: bool = False  # log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)
+
+
+# The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
+DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=32, groups_per_step=2,
+                   rollouts_per_group=4, num_epochs=1, max_steps=2, learning_rate=5e-5, max_turns=4, max_tokens=96,
+                   max_body_chars=600, eval_every=2, val_size=8, concurrency=8)
+
+
+def run_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.art_dir) / cfg.project / "models" / cfg.name
+
+
+def prepare_run(cfg: TrainConfig, backend: str) -> None:
+    """Resume a run of the same name, or start it; --fresh deletes it first. Saves the resolved config."""
+    directory = run_dir(cfg)
+    config_path = directory / "run_config.json"
+    if cfg.fresh and directory.exists():
+        shutil.rmtree(directory)
+    if config_path.exists():
+        previous = json.loads(config_path.read_text())
+        for key in ("base_model", "lora_rank", "lora_alpha"):
+            if previous.get(key) != getattr(cfg, key):
+                raise DataError(f"run {cfg.name!r} was trained with {key}={previous.get(key)!r}, not "
+                                f"{getattr(cfg, key)!r}; use --fresh to start it over, or another --name.")
+        print(f"resuming run {cfg.name!r} from {directory}", file=sys.stderr)
+    directory.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps({**asdict(cfg), "backend": backend}, indent=2) + "\n")
+
+
+async def validate(model, policy, questions, db, rollout_config, step: int) -> dict:
+    import art
+
+    from email_agent.rollout import rollout
+
+    trajs = await art.gather_trajectories((rollout(policy, q, db, rollout_config) for q in questions),
+                                          pbar_desc="validate", max_exceptions=len(questions))
+    trajs = [t for t in trajs if isinstance(t, art.Trajectory)]
+    calls = sum(t.metrics["tool_calls"] for t in trajs)
+    extra = {"valid_tool_call_rate": sum(t.metrics["valid_tool_calls"] for t in trajs) / calls if calls else 0.0}
+    await model.log(trajs, split="val", metrics=extra, step=step)
+    return {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1),
+            "accuracy": sum(t.metrics["answer_correct"] for t in trajs) / max(len(trajs), 1), **extra}
+
+
+async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_config) -> None:
+    """Supervised fine-tuning on successful trajectories (ART's train_sft; one checkpoint per epoch)."""
+    import art
+
+    from email_agent.sft import sft_source
+
+    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config)
+    if cfg.sft_limit:
+        trajectories = trajectories[:cfg.sft_limit]
+    if not trajectories:
+        raise DataError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
+    print(f"warm start: {len(trajectories)} successful trajectories from {cfg.sft_from}", file=sys.stderr)
+    for epoch in range(cfg.sft_epochs):
+        started = time.perf_counter()
+        await model.train_sft(trajectories, art.types.TrainSFTConfig(learning_rate=cfg.sft_learning_rate,
+                                                                      batch_size=cfg.sft_batch_size))
+        print(f"sft  {await model.get_step():>4}  epoch {epoch + 1}/{cfg.sft_epochs}  {time.perf_counter() - started:.0f}s",
+              flush=True)
+
+
+def print_row(step, groups, result, seconds) -> None:
+    trajs = [t for g in groups for t in g.trajectories]
+    mean = lambda key: sum(t.metrics[key] for t in trajs) / max(len(trajs), 1)  # noqa: E731
+    print(f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
+          f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
+          f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
+          f"tokens {mean('completion_tokens'):.0f}  loss {result.metrics.get('loss', float('nan')):+.4f}  "
+          f"{seconds:.0f}s", flush=True)
+
+
+async def train(cfg: TrainConfig) -> None:
+    import art
+
+    from email_agent import backends, rewards
+    from email_agent.questions import select_questions
+    from email_agent.rollout import Policy, RolloutConfig, rollout
+
+    backend_name = backends.resolve_backend(cfg.backend)
+    cfg.base_model = cfg.base_model or backends.default_base_model(backend_name)
+    if cfg.demo and not Path(cfg.db).exists():
+        build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True))
+    db = EmailDB(cfg.db)
+    questions = select_questions(db, "train", single_source=cfg.single_source, min_realistic=cfg.min_realistic,
+                                 seed=cfg.seed)
+    val_questions, train_questions = questions[:cfg.val_size], questions[cfg.val_size:]
+    if cfg.train_limit:
+        train_questions = train_questions[:cfg.train_limit]
+    if not train_questions:
+        raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation).")
+    judge = rewards.judge_from_env(cfg.judge_model or None, cfg.judge_base_url or None,
+                                   cache_path=Path(cfg.art_dir) / "judge_cache.jsonl")
+    reward_mode = cfg.reward or ("shaped" if judge else "offline")
+    if reward_mode in ("judge", "shaped") and judge is None:
+        raise DataError(f"--reward {reward_mode} needs --judge-model (or JUDGE_MODEL); or use --reward offline.")
+    if judge is None:
+        print("note: no judge configured: rewards use the OFFLINE matcher (normalised match against the gold "
+              "answer); pass --judge-model for an LLM judge.", file=sys.stderr)
+    ruler_model = cfg.ruler_model or (judge.model if judge else "")
+    if reward_mode == "ruler" and not ruler_model:
+        raise DataError("--reward ruler needs --ruler-model or --judge-model.")
+    rollout_config = RolloutConfig(max_turns=cfg.max_turns, max_body_chars=cfg.max_body_chars, reward=reward_mode,
+                                   judge=judge)
+    prepare_run(cfg, backend_name)
+    Path(cfg.art_dir).mkdir(parents=True, exist_ok=True)
+
+    model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
+                               report_metrics=["wandb"] if cfg.wandb else [],
+                               _internal_config=backends.internal_config(cfg) if backend_name == "local" else None)
+    backend = backends.make_backend(backend_name, cfg)
+    print(f"training {cfg.name!r}: {cfg.base_model} on {backend_name}, {len(train_questions)} train / "
+          f"{len(val_questions)} val questions, reward {reward_mode}", file=sys.stderr)
+    try:
+        await model.register(backend)
+        policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                  max_concurrency=cfg.concurrency)
+        state = model.read_state() or {}
+        if cfg.sft_from and not state.get("sft_done"):
+            await warm_start(cfg, model, db, train_questions, rollout_config)
+            state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
+            policy.model = model.get_inference_name()
+            if val_questions:
+                step = await model.get_step()
+                print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
+        if cfg.sft_only:
+            return
+        after_each = None
+        if reward_mode == "ruler":
+            params = {"api_base": cfg.judge_base_url} if cfg.judge_base_url else None
+            after_each = lambda group: rewards.ruler_group(group, ruler_model, params)  # noqa: E731
+        # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data.
+        sft_steps = state.get("sft_steps", 0)
+        rl_step = await model.get_step() - sft_steps
+        for batch in art.utils.iterate_dataset(train_questions, groups_per_step=cfg.groups_per_step,
+                                               num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False):
+            if cfg.max_steps and batch.step >= cfg.max_steps:
+                break
+            step = batch.step + sft_steps
+            if batch.step % cfg.eval_every == 0 and val_questions and not (batch.step == 0 and sft_steps):
+                print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
+            started = time.perf_counter()
+            groups = await art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(policy, q, db, rollout_config) for _ in range(cfg.rollouts_per_group))
+                 for q in batch.items),
+                pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4, after_each=after_each)
+            result = await backend.train(model, groups, learning_rate=cfg.learning_rate)
+            await model.log(groups, split="train", metrics=result.metrics, step=result.step)
+            policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
+            print_row(result.step, groups, result, time.perf_counter() - started)
+        step = await model.get_step()
+        if val_questions:
+            print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
+        if cfg.keep_checkpoints == "best":
+            await model.delete_checkpoints(best_checkpoint_metric="val/reward")
+        print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
+              f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
+    finally:
+        await backend.close()
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; its comment in the source is the help text."""
+    import inspect
+
+    comments = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        name, _, rest = line.strip().partition(":")
+        if "#" in rest:
+            comments[name] = rest.split("#", 1)[1].strip()
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = comments.get(f.name, "") + (f" (default {f.default!r})" if f.type != "bool" else "")
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None,
+                                metavar=f.name.upper(), help=help_text)
+
+
+def config_from_args(args) -> TrainConfig:
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    preset = DEMO_PRESET if given.get("demo") else {}
+    return TrainConfig(**{**preset, **given})
+
+
+def train_command(args) -> None:
+    from email_agent.backends import BackendError
+
+    cfg = config_from_args(args)
+    if cfg.keep_checkpoints not in ("best", "all"):
+        raise DataError("--keep-checkpoints is best or all")
+    print(json.dumps(asdict(cfg)), file=sys.stderr)
+    # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(train(cfg))
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    loop.add_signal_handler(signal.SIGINT, task.cancel)
+    try:
+        loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    except BackendError as exc:
+        raise DataError(str(exc)) from None
+    finally:
+        loop.close()
+
+
+# ----------------------------------------------------------------------------------------------
 # command line
 # ----------------------------------------------------------------------------------------------
 
@@ -157,6 +430,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("message_id", metavar="MESSAGE_ID")
     p.add_argument("--inbox", metavar="ADDRESS", help="only if ADDRESS sent or received it")
     p.set_defaults(func=read)
+
+    p = sub.add_parser("train", help="train the agent with GRPO (resumes a run of the same name)",
+                       description="GRPO on the train split with rollouts from the agent environment. "
+                                   "Example: python train_email_search_agent.py train --demo")
+    add_config_flags(p)
+    p.set_defaults(func=train_command)
     return parser
 
 
@@ -168,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted; re-run the same command to resume from the last checkpoint", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()

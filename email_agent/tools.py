@@ -16,36 +16,35 @@ from .data import MAX_SEARCH_RESULTS, EmailDB, day_after, day_start
 
 DEFAULT_MAX_BODY_CHARS = 4000  # long bodies (up to 380k chars in Enron) would overflow the context
 
+# Descriptions are terse on purpose: the schemas are in every prompt, and on a CPU every token costs.
 TOOLS = [
     {"type": "function", "function": {
         "name": "search_inbox",
-        "description": "Search the user's inbox. Returns up to max_results emails that contain ALL the "
-                       "keywords, best match first, each with message_id, subject, sender, date and a snippet.",
+        "description": "Search the user's inbox for emails containing ALL the keywords, best match first. "
+                       "Returns message_id, subject, from_address, date and a snippet of each.",
         "parameters": {"type": "object", "properties": {
-            "keywords": {"type": "array", "items": {"type": "string"},
-                         "description": "Words or short phrases that must all appear, e.g. [\"budget\", \"review\"]."},
-            "from_address": {"type": "string", "description": "Only emails sent by this address."},
-            "to_address": {"type": "string", "description": "Only emails sent to (to/cc/bcc) this address."},
-            "sent_after": {"type": "string", "description": "Only emails sent on or after this date, YYYY-MM-DD."},
-            "sent_before": {"type": "string", "description": "Only emails sent before this date, YYYY-MM-DD."},
-            "max_results": {"type": "integer", "description": f"At most this many results (1-{MAX_SEARCH_RESULTS}, default 10)."},
+            "keywords": {"type": "array", "items": {"type": "string"}, "description": "e.g. [\"budget\", \"review\"]"},
+            "from_address": {"type": "string", "description": "only emails from this address"},
+            "to_address": {"type": "string", "description": "only emails to/cc/bcc this address"},
+            "sent_after": {"type": "string", "description": "YYYY-MM-DD, inclusive"},
+            "sent_before": {"type": "string", "description": "YYYY-MM-DD, exclusive"},
+            "max_results": {"type": "integer", "description": f"1-{MAX_SEARCH_RESULTS}, default 10"},
         }, "required": ["keywords"]},
     }},
     {"type": "function", "function": {
         "name": "read_email",
-        "description": "Read one email of the user's inbox in full, by the message_id a search returned.",
+        "description": "Read one email in full by the message_id a search returned.",
         "parameters": {"type": "object", "properties": {
-            "message_id": {"type": "string", "description": "The message_id exactly as search_inbox returned it."},
+            "message_id": {"type": "string"},
         }, "required": ["message_id"]},
     }},
     {"type": "function", "function": {
         "name": "return_final_answer",
-        "description": "Give the final answer to the user's question and end the task. If the inbox does not "
-                       "contain the answer, answer exactly \"I don't know\" with no sources.",
+        "description": "Give the final, short answer and the message_ids it comes from. "
+                       "If the inbox does not say, answer \"I don't know\" with no sources.",
         "parameters": {"type": "object", "properties": {
-            "answer": {"type": "string", "description": "The answer, short and specific."},
-            "sources": {"type": "array", "items": {"type": "string"},
-                        "description": "message_ids of the emails the answer comes from."},
+            "answer": {"type": "string"},
+            "sources": {"type": "array", "items": {"type": "string"}},
         }, "required": ["answer", "sources"]},
     }},
 ]

@@ -1,1 +1,88 @@
-"""Training/serving backends for the email agent."""
+"""Backends: where the policy is served and trained. The training loop is the same for all of them.
+
+  cpu         our CPUBackend (email_agent/backends/cpu.py): transformers + peft, in-process server; the
+              embedded default when no GPU is present
+  local       ART's LocalBackend: unsloth trainer + vLLM on one CUDA GPU (pip install -r requirements-gpu.txt)
+  serverless  ART's ServerlessBackend (W&B Training; needs WANDB_API_KEY)
+  tinker      ART's TinkerBackend (needs TINKER_API_KEY and openpipe-art[tinker])
+
+This module only picks and builds one, and builds the model's ART settings; it hides nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+
+BACKENDS = ("cpu", "local", "serverless", "tinker")
+CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GPU_BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+
+
+class BackendError(Exception):
+    """A backend that cannot start here, worded for the user."""
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def resolve_backend(name: str) -> str:
+    if name == "auto":
+        return "local" if cuda_available() else "cpu"
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} or auto")
+    return name
+
+
+def default_base_model(backend: str) -> str:
+    return CPU_BASE_MODEL if backend == "cpu" else GPU_BASE_MODEL
+
+
+def internal_config(cfg):
+    """ART's model settings for the GPU backend: the knobs that decide whether a 7B run fits a 24 GB card."""
+    import art
+
+    return art.dev.InternalModelConfig(
+        init_args=art.dev.InitArgs(max_seq_length=cfg.max_seq_length),
+        engine_args=art.dev.EngineArgs(gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                       enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                                       max_model_len=cfg.max_seq_length),
+        peft_args=art.dev.PeftArgs(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha),
+    )
+
+
+def make_backend(name: str, cfg):
+    """Build the chosen backend; `cfg` is the training config (art_dir, seed, LoRA and memory settings)."""
+    if name == "cpu":
+        from .cpu import CPUBackend
+
+        return CPUBackend(path=cfg.art_dir, seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
+    if name == "local":
+        if not cuda_available():
+            raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")
+        try:
+            from art.local import LocalBackend
+        except ImportError as exc:
+            raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt ({exc})") from exc
+        return LocalBackend(path=cfg.art_dir)
+    if name == "serverless":
+        if not os.environ.get("WANDB_API_KEY"):
+            raise BackendError("--backend serverless trains on W&B Training: set WANDB_API_KEY first.")
+        import art
+
+        return art.ServerlessBackend()  # reads WANDB_API_KEY itself
+    if name == "tinker":
+        if not os.environ.get("TINKER_API_KEY"):
+            raise BackendError("--backend tinker needs TINKER_API_KEY in the environment.")
+        try:
+            from art.tinker.backend import TinkerBackend
+        except ImportError as exc:
+            raise BackendError(f"--backend tinker needs ART's tinker extra: pip install 'openpipe-art[tinker]==0.5.18' ({exc})") from exc
+        # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
+        return TinkerBackend(path=cfg.art_dir)
+    raise BackendError(f"unknown backend {name!r}")

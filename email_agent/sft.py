@@ -1,0 +1,146 @@
+"""Warm start: successful trajectories to fine-tune on before RL (supervised, on the assistant turns).
+
+A small model that never emits a valid tool call gives every rollout the same reward, so GRPO has no
+advantage to learn from. Supervised fine-tuning on good episodes first fixes that. Sources:
+
+  demo-expert   a scripted expert plays the demo inbox's train questions through the real rollout code
+  <folder>      an evaluation folder from test_email_search_agent.py (e.g. a prompted o4-mini on the
+                train split): its judged-correct, correctly-cited episodes
+
+Test-split questions are never used, whatever the source says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import art
+from openai.types.chat import ChatCompletion
+
+from .data import DataError, EmailDB
+from .questions import Question
+from .rollout import RolloutConfig, rollout
+from .tools import TOOLS
+
+STOPWORDS = set("""a about after all am an and any are as at be been before being but by can could did do does
+for from had has have how i if in into is it its me my of on or our should so than that the their them then
+there these they this to up was we were what when where which who whom why will with would you your
+time date day price cost much many number name get got set""".split())  # question words emails rarely contain
+
+
+def question_keywords(text: str, limit: int = 3) -> list[str]:
+    """Distinctive words of a question: capitalised names and codes first, then other content words."""
+    words = [w.strip("?.,!:;'\"()") for w in text.split()]
+    words = [w[:-2] if w.endswith("'s") else w for w in words]
+    content = [w for w in words if len(w) > 2 and w.lower() not in STOPWORDS]
+    named = [w for w in content[1:] if w[:1].isupper() or any(c.isdigit() for c in w)]
+    ordered = named + [w for w in content if w not in named]
+    return list(dict.fromkeys(ordered))[:limit]
+
+
+class ExpertPolicy:
+    """A scripted agent for the demo inbox, played through `rollout` like any model.
+
+    It sees what a good agent sees (the question and the tool results) and knows the gold answer only to
+    recognise the email that holds it and to phrase the final answer: search with the question's
+    distinctive words (fewer if nothing matches), read results best-first, answer from the first email
+    that holds the answer, else say "I don't know".
+    """
+
+    model = "demo-expert"
+
+    def __init__(self, questions: list[Question]):
+        self.answers = {q.question: q.answer for q in questions}
+
+    async def complete(self, messages: list[dict]) -> ChatCompletion:
+        question = next(m["content"] for m in messages if m["role"] == "user")
+        answer = self.answers[question]
+        keywords = question_keywords(question)
+        searches = [json.loads(c["function"]["arguments"]) for m in messages if m["role"] == "assistant"
+                    for c in m.get("tool_calls") or [] if c["function"]["name"] == "search_inbox"]
+        tool_results = [m["content"] for m in messages if m["role"] == "tool"]
+        last = tool_results[-1] if tool_results else None
+        if last is not None and last.startswith("{"):  # an email was just read
+            email = json.loads(last)
+            if answer in email["body"]:
+                return self._call("return_final_answer", {"answer": answer, "sources": [email["message_id"]]})
+        results = next((json.loads(r) for r in reversed(tool_results) if r.startswith("[")), None)
+        if results is None:
+            if searches and len(searches[-1]["keywords"]) == 1:
+                return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
+            size = len(searches[-1]["keywords"]) - 1 if searches else len(keywords)
+            return self._call("search_inbox", {"keywords": keywords[:size]})
+        read = {json.loads(r)["message_id"] for r in tool_results if r.startswith("{")}
+        unread = [r["message_id"] for r in results[:5] if r["message_id"] not in read]
+        if unread:
+            return self._call("read_email", {"message_id": unread[0]})
+        return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
+
+    @staticmethod
+    def _call(name: str, arguments: dict) -> ChatCompletion:
+        return ChatCompletion.model_validate({
+            "id": "expert", "object": "chat.completion", "created": 0, "model": "demo-expert",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
+                "role": "assistant", "content": None,
+                "tool_calls": [{"id": f"call_{name}", "type": "function",
+                                "function": {"name": name, "arguments": json.dumps(arguments)}}]}}],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
+
+
+def successful(traj: art.Trajectory) -> bool:
+    m = traj.metrics
+    return bool(m["answer_correct"] and m["sources_correct"] and not m["api_errors"])
+
+
+async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig) -> list[art.Trajectory]:
+    """The expert's successful episodes on `questions` (train split only)."""
+    questions = [q for q in questions if q.split != "test"]
+    policy = ExpertPolicy(questions)
+    trajs = [await rollout(policy, q, db, config) for q in questions]
+    return [t for t in trajs if successful(t)]
+
+
+def teacher_trajectories(folder: str | Path, db: EmailDB) -> list[art.Trajectory]:
+    """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl."""
+    path = Path(folder) / "results.jsonl"
+    if not path.is_file():
+        raise DataError(f"--sft-from {folder}: no results.jsonl there (an output folder of test_email_search_agent.py)")
+    test_ids = {row[0] for row in db.conn.execute("SELECT id FROM questions WHERE split = 'test'")}
+    trajs = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        m = record.get("metrics") or {}
+        if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct") and m.get("sources_correct")):
+            continue
+        messages = [strip_to_chat(message) for message in record["messages"]]
+        trajs.append(art.Trajectory(messages_and_choices=messages, tools=TOOLS, reward=record["reward"],
+                                    metrics={k: v for k, v in m.items() if isinstance(v, (int, float))},
+                                    metadata={"question_id": record["question_id"], "teacher": record["model"]}))
+    return trajs
+
+
+def strip_to_chat(message: dict) -> dict:
+    """Keep only what a chat template renders (providers add refusal/annotations/reasoning fields)."""
+    keep = {k: message[k] for k in ("role", "content", "tool_calls", "tool_call_id") if message.get(k) is not None}
+    if "tool_calls" in keep:
+        keep["tool_calls"] = [{"id": c.get("id"), "type": "function",
+                               "function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                              for c in keep["tool_calls"]]
+    if keep["role"] == "assistant" and "content" not in keep:
+        keep["content"] = ""
+    return keep
+
+
+def sft_source(source: str, db: EmailDB, questions: list[Question], config: RolloutConfig):
+    """`--sft-from` -> an awaitable of trajectories."""
+    if source == "demo-expert":
+        return expert_trajectories(db, questions, config)
+    if re.match(r"^[\w./~-]+$", source) and Path(source).expanduser().is_dir():
+        async def load():
+            return teacher_trajectories(Path(source).expanduser(), db)
+        return load()
+    raise DataError(f"--sft-from {source!r}: expected 'demo-expert' or an evaluation folder with results.jsonl")
