@@ -218,6 +218,23 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
             "accuracy": sum(t.metrics["answer_correct"] for t in trajs) / max(len(trajs), 1), **extra}
 
 
+async def delete_checkpoints(model, backend, latest: int) -> None:
+    """Keep the latest checkpoint and the one with the best mean val/reward.
+
+    (ART 0.5.18's model.delete_checkpoints fails on the string `recorded_at` column of its own history.)
+    """
+    history = Path(model.base_path) / model.project / "models" / model.name / "history.jsonl"
+    rewards_by_step: dict[int, list[float]] = {}
+    for line in history.read_text().splitlines() if history.exists() else []:
+        row = json.loads(line)
+        if "val/reward" in row:
+            rewards_by_step.setdefault(row["step"], []).append(row["val/reward"])
+    keep = {latest}
+    if rewards_by_step:
+        keep.add(max(rewards_by_step, key=lambda s: (sum(rewards_by_step[s]) / len(rewards_by_step[s]), s)))
+    await backend._delete_checkpoint_files(model, sorted(keep))
+
+
 async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_config) -> None:
     """Supervised fine-tuning on successful trajectories (ART's train_sft; one checkpoint per epoch)."""
     import art
@@ -330,7 +347,7 @@ async def train(cfg: TrainConfig) -> None:
         if val_questions:
             print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
         if cfg.keep_checkpoints == "best":
-            await model.delete_checkpoints(best_checkpoint_metric="val/reward")
+            await delete_checkpoints(model, backend, step)
         print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
               f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
     finally:

@@ -1,0 +1,213 @@
+"""The training command: the CPU end-to-end run (warm start, GRPO, resume, evaluation), clean shutdown,
+and the wiring of the GPU/remote backends (ART's GPU-bound calls replaced by a recording fake)."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT
+from email_agent import backends
+from scripted_server import expert_script, serve_in_thread
+
+import train_email_search_agent as cli
+
+TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-batch-size", "4", "--groups-per-step", "1",
+        "--rollouts-per-group", "2", "--max-turns", "3", "--max-tokens", "40", "--val-size", "2", "--eval-every", "1",
+        "--keep-checkpoints", "all", "--max-body-chars", "300"]
+
+
+def train_cmd(db, art_dir, *extra):
+    return [sys.executable, str(ROOT / "train_email_search_agent.py"), "train", "--demo", "--db", str(db),
+            "--art-dir", str(art_dir), "--name", "t", *TINY, *map(str, extra)]
+
+
+@pytest.mark.slow
+def test_cpu_end_to_end_train_resume_evaluate(demo_db_path, tmp_path):
+    art_dir = tmp_path / "art"
+    first = subprocess.run(train_cmd(demo_db_path, art_dir, "--max-steps", 1), capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = art_dir / "email-agent" / "models" / "t"
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["0000", "0001", "0002"]  # untrained LoRA, after the warm start, after one GRPO step
+    for name in ckpts:
+        assert (run / "checkpoints" / name / "adapter_model.safetensors").exists()
+        assert (run / "checkpoints" / name / "adapter_config.json").exists()
+    before = load_file(run / "checkpoints" / "0000" / "adapter_model.safetensors")
+    after = load_file(run / "checkpoints" / "0001" / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not before[k].equal(after[k]) for k in before)  # the warm start changed the LoRA
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert any(k.startswith("train/") for row in history for k in row)
+    assert any("val/reward" in row for row in history) and any("val/answer_correct" in row for row in history)
+    config = json.loads((run / "run_config.json").read_text())
+    assert config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["backend"] == "cpu"
+
+    second = subprocess.run(train_cmd(demo_db_path, art_dir, "--max-steps", 2), capture_output=True, text=True,
+                            timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming run 't'" in second.stderr
+    assert "warm start" not in second.stderr  # done once, remembered in the run's state
+    assert re.search(r"^step\s+3\b", second.stdout, re.M)  # continued at step 3
+    assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "0003"
+
+    evaluation = subprocess.run(
+        [sys.executable, str(ROOT / "test_email_search_agent.py"), "--db", str(demo_db_path), "--art-dir", str(art_dir),
+         "--model", "t", "--limit", "2", "--max-turns", "3", "--max-tokens", "40", "--output", str(tmp_path / "eval")],
+        capture_output=True, text=True, timeout=600)
+    assert evaluation.returncode == 0, evaluation.stderr[-3000:]
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())["models"]
+    assert list(summary) == ["t@3"] and summary["t@3"]["n"] == 2
+    assert "Learning curve" in (tmp_path / "eval" / "report.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupt_shuts_down_cleanly(demo_db_path, tmp_path, sig):
+    proc = subprocess.Popen(train_cmd(demo_db_path, tmp_path / "art", "--max-steps", 5), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    port = None
+    deadline = time.time() + 300
+    while time.time() < deadline and port is None:
+        line = proc.stderr.readline()
+        match = re.search(r"serving \S+ at http://127\.0\.0\.1:(\d+)", line)
+        port = int(match.group(1)) if match else None
+    assert port, "the backend never started serving"
+    time.sleep(2)  # mid warm start or rollout
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=120)
+    rest = proc.stderr.read()
+    assert proc.returncode == 130, rest[-2000:]
+    assert "re-run the same command to resume" in rest and "Traceback" not in rest
+    group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert group == []  # no server or worker process left behind
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
+    cfg = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="a")
+    cli.prepare_run(cfg, "cpu")
+    (cli.run_dir(cfg) / "checkpoints").mkdir()
+    with pytest.raises(cli.DataError, match="--fresh"):
+        cli.prepare_run(cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b"), "cpu")
+    cli.prepare_run(cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b", fresh=True), "cpu")
+    assert not (cli.run_dir(cfg) / "checkpoints").exists()
+    assert json.loads((cli.run_dir(cfg) / "run_config.json").read_text())["base_model"] == "b"
+
+
+def test_demo_preset_and_explicit_flags():
+    args = cli.make_parser().parse_args(["train", "--demo", "--max-steps", "7", "--no-single-source"])
+    cfg = cli.config_from_args(args)
+    assert (cfg.max_steps, cfg.single_source, cfg.db, cfg.sft_from) == (7, False, cli.DEMO_DB, "demo-expert")
+    assert cli.config_from_args(cli.make_parser().parse_args(["train"])) == cli.TrainConfig()
+
+
+# ---- GPU and remote backends: wiring only (no GPU here) ---------------------------------------------
+
+class RecordingBackend:
+    """Stands in for ART's LocalBackend: serves the scripted policy and records what the loop passes."""
+
+    def __init__(self, base_url, **kwargs):
+        self.base_url, self.kwargs, self.train_calls, self.step, self.closed = base_url, kwargs, [], 0, False
+        self.model = None
+
+    async def register(self, model):
+        self.model = model
+
+    async def _prepare_backend_for_training(self, model, config):
+        return self.base_url, "key"
+
+    def _model_inference_name(self, model, step=None):
+        return f"{model.name}@{self.step if step is None else step}"
+
+    async def _get_step(self, model):
+        return self.step
+
+    async def train(self, model, groups, **kwargs):
+        from art.types import TrainResult
+
+        self.train_calls.append((model, list(groups), kwargs))
+        self.step += 1
+        return TrainResult(step=self.step, metrics={"loss": 0.5})
+
+    async def _delete_checkpoint_files(self, model, steps_to_keep):
+        pass
+
+    async def close(self):
+        self.closed = True
+
+
+def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch):
+    from email_agent import questions
+
+    qs = questions.select_questions(demo_db, "train", seed=0)[:6]
+    made = {}
+    with serve_in_thread({q.question: expert_script(q) for q in qs}) as server:
+        def fake_make_backend(name, cfg):
+            made["backend"] = RecordingBackend(server.base_url, name=name)
+            return made["backend"]
+
+        monkeypatch.setattr(backends, "cuda_available", lambda: True)
+        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
+        cfg = cli.TrainConfig(name="gpu", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=4,
+                              groups_per_step=2, rollouts_per_group=2, max_steps=2, eval_every=1,
+                              learning_rate=3e-6, gpu_memory_utilization=0.6, enforce_eager=True, max_num_seqs=16,
+                              max_seq_length=4096, lora_rank=16, lora_alpha=32)
+        asyncio.run(cli.train(cfg))
+    backend = made["backend"]
+    assert backend.kwargs == {"name": "local"} and backend.closed
+    model = backend.model
+    assert model.base_model == "Qwen/Qwen2.5-7B-Instruct" and model.name == "gpu" and model.base_path == str(tmp_path)
+    assert model._internal_config == {
+        "init_args": {"max_seq_length": 4096},
+        "engine_args": {"gpu_memory_utilization": 0.6, "enforce_eager": True, "max_num_seqs": 16,
+                        "max_model_len": 4096},
+        "peft_args": {"r": 16, "lora_alpha": 32}}
+    assert len(backend.train_calls) == 2
+    for _, groups, kwargs in backend.train_calls:
+        assert kwargs == {"learning_rate": 3e-6}
+        assert len(groups) == 2 and all(len(g.trajectories) == 2 for g in groups)
+        assert all(t.metrics["answer_correct"] == 1 for g in groups for t in g.trajectories)
+    history = [json.loads(line) for line in (tmp_path / "email-agent/models/gpu/history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history if "train/loss" in row] == [1, 2]
+    assert any(row.get("val/answer_correct") == 1.0 for row in history)
+
+
+def test_backend_selection_errors(monkeypatch):
+    cfg = cli.TrainConfig()
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    assert backends.resolve_backend("auto") == "cpu"
+    with pytest.raises(backends.BackendError, match="CUDA"):
+        backends.make_backend("local", cfg)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(backends.BackendError, match="WANDB_API_KEY"):
+        backends.make_backend("serverless", cfg)
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    with pytest.raises(backends.BackendError, match="TINKER_API_KEY"):
+        backends.make_backend("tinker", cfg)
+    with pytest.raises(backends.BackendError, match="unknown backend"):
+        backends.resolve_backend("tpu")
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    assert backends.resolve_backend("auto") == "local"
+
+
+def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys):
+    import art
+
+    calls = []
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-123")
+    monkeypatch.setattr(art, "ServerlessBackend", lambda **kw: calls.append(("serverless", kw)) or "S")
+    assert backends.make_backend("serverless", cli.TrainConfig()) == "S"
+    assert calls == [("serverless", {})]
+    assert "wandb-secret-123" not in capsys.readouterr().out
