@@ -157,18 +157,11 @@ async def rejudge_record(record: dict, config: RolloutConfig) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def reward_config(args) -> RolloutConfig:
-    judge = rewards.judge_from_env(args.judge_model, args.judge_base_url,
-                                   cache_path=Path(args.art_dir) / "judge_cache.jsonl")
-    mode = args.reward or ("shaped" if judge else "offline")
-    if mode in ("judge", "shaped") and judge is None:
-        raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), or use --reward offline.")
-    if judge is None:
-        print("note: no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
-              "(--judge-model to use an LLM judge).", file=sys.stderr)
+    mode, judge = rewards.configure(args.reward, args.judge_model, args.judge_base_url, args.art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"
-    Path(args.art_dir).mkdir(parents=True, exist_ok=True)
-    return RolloutConfig(max_turns=args.max_turns, max_body_chars=args.max_body_chars, reward=mode, judge=judge)
+    return RolloutConfig(max_turns=args.max_turns, max_body_chars=args.max_body_chars,
+                         search_results=args.search_results, reward=mode, judge=judge)
 
 
 async def evaluate(args) -> int:
@@ -257,6 +250,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=10, help="agent turns per question (default 10)")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens per model reply (default 1024)")
     p.add_argument("--max-body-chars", type=int, default=4000, help="read_email cuts longer bodies (default 4000)")
+    p.add_argument("--search-results", type=int, default=10, help="results per search when the model does not "
+                                                                   "ask for a number (default 10)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0; omitted for "
                                                                   "OpenAI reasoning models)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per model request (default 300)")

@@ -150,6 +150,7 @@ class TrainConfig:
     max_turns: int = 10  # agent turns per question
     max_tokens: int = 1024  # tokens per model reply
     max_body_chars: int = 4000  # read_email cuts longer bodies
+    search_results: int = 10  # results per search when the model does not ask for a number
     temperature: float = 1.0  # rollout sampling temperature
     eval_every: int = 30  # validate every N steps (and at the end)
     keep_checkpoints: str = "best"  # best: keep the latest and the best (val/reward) checkpoint; all: keep every one
@@ -179,7 +180,7 @@ class TrainConfig:
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=32, groups_per_step=2,
                    rollouts_per_group=4, num_epochs=1, max_steps=2, learning_rate=5e-5, max_turns=4, max_tokens=96,
-                   max_body_chars=600, eval_every=2, val_size=8, concurrency=8)
+                   max_body_chars=600, search_results=5, eval_every=2, val_size=8, concurrency=8)
 
 
 def run_dir(cfg: TrainConfig) -> Path:
@@ -284,21 +285,14 @@ async def train(cfg: TrainConfig) -> None:
         train_questions = train_questions[:cfg.train_limit]
     if not train_questions:
         raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation).")
-    judge = rewards.judge_from_env(cfg.judge_model or None, cfg.judge_base_url or None,
-                                   cache_path=Path(cfg.art_dir) / "judge_cache.jsonl")
-    reward_mode = cfg.reward or ("shaped" if judge else "offline")
-    if reward_mode in ("judge", "shaped") and judge is None:
-        raise DataError(f"--reward {reward_mode} needs --judge-model (or JUDGE_MODEL); or use --reward offline.")
-    if judge is None:
-        print("note: no judge configured: rewards use the OFFLINE matcher (normalised match against the gold "
-              "answer); pass --judge-model for an LLM judge.", file=sys.stderr)
+    reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
+                                           cfg.art_dir)
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
-    rollout_config = RolloutConfig(max_turns=cfg.max_turns, max_body_chars=cfg.max_body_chars, reward=reward_mode,
-                                   judge=judge)
+    rollout_config = RolloutConfig(max_turns=cfg.max_turns, max_body_chars=cfg.max_body_chars,
+                                   search_results=cfg.search_results, reward=reward_mode, judge=judge)
     prepare_run(cfg, backend_name)
-    Path(cfg.art_dir).mkdir(parents=True, exist_ok=True)
 
     model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
                                report_metrics=["wandb"] if cfg.wandb else [],

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -179,13 +180,29 @@ def parse_judge_reply(text: str, judge: str) -> Verdict:
     return Verdict(reply["accept"], judge, str(reply.get("reasoning", ""))[:500])
 
 
-def judge_from_env(model: str | None = None, api_base: str | None = None, cache_path: Path | None = None) -> LLMJudge | None:
-    """The judge named by flags or JUDGE_MODEL / JUDGE_API_BASE / JUDGE_API_KEY; None when none is configured."""
-    model = model or os.environ.get("JUDGE_MODEL")
-    if not model:
-        return None
-    return LLMJudge(model, api_base=api_base or os.environ.get("JUDGE_API_BASE"),
-                    api_key=os.environ.get("JUDGE_API_KEY"), cache_path=cache_path)
+def configure(mode: str | None, judge_model: str | None, judge_base_url: str | None,
+              cache_dir: str | Path) -> tuple[str, LLMJudge | None]:
+    """The reward mode and judge from flags or JUDGE_MODEL / JUDGE_API_BASE / JUDGE_API_KEY.
+
+    Without a judge the mode defaults to offline, and says so loudly; judge/shaped without one is an error.
+    """
+    from .data import DataError
+
+    judge_model = judge_model or os.environ.get("JUDGE_MODEL")
+    judge = None
+    if judge_model:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        judge = LLMJudge(judge_model, api_base=judge_base_url or os.environ.get("JUDGE_API_BASE"),
+                         api_key=os.environ.get("JUDGE_API_KEY"), cache_path=Path(cache_dir) / "judge_cache.jsonl")
+    mode = mode or ("shaped" if judge else "offline")
+    if mode not in REWARD_MODES:
+        raise DataError(f"--reward must be one of {', '.join(REWARD_MODES)}, not {mode!r}")
+    if mode in ("judge", "shaped") and judge is None:
+        raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), or use --reward offline.")
+    if judge is None:
+        print("note: no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
+              "(pass --judge-model for an LLM judge).", file=sys.stderr)
+    return mode, judge
 
 
 # ----------------------------------------------------------------------------------------------

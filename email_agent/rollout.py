@@ -75,6 +75,7 @@ class Policy:
 class RolloutConfig:
     max_turns: int = 10
     max_body_chars: int = 4000  # read_email cuts longer bodies (the CPU preset uses less)
+    search_results: int = 10  # results per search when the model does not ask for a number
     reward: str = "offline"  # see rewards.REWARD_MODES
     judge: rewards.LLMJudge | None = None
 
@@ -90,7 +91,8 @@ def assistant_message(choice) -> dict:
 
 
 async def rollout(policy: Policy, question: Question, db: EmailDB, config: RolloutConfig) -> art.Trajectory:
-    inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=config.max_body_chars)
+    inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=config.max_body_chars,
+                  default_max_results=config.search_results)
     gold = set(question.message_ids)
     rubric = Rubric()
     system = SYSTEM_PROMPT.format(inbox=question.inbox_address, today=question.query_date, max_turns=config.max_turns)

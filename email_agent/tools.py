@@ -28,7 +28,7 @@ TOOLS = [
             "to_address": {"type": "string", "description": "only emails to/cc/bcc this address"},
             "sent_after": {"type": "string", "description": "YYYY-MM-DD, inclusive"},
             "sent_before": {"type": "string", "description": "YYYY-MM-DD, exclusive"},
-            "max_results": {"type": "integer", "description": f"1-{MAX_SEARCH_RESULTS}, default 10"},
+            "max_results": {"type": "integer", "description": f"1-{MAX_SEARCH_RESULTS}"},
         }, "required": ["keywords"]},
     }},
     {"type": "function", "function": {
@@ -60,16 +60,17 @@ class Inbox:
     address: str
     query_date: str  # 'YYYY-MM-DD'; mail dated after this day is invisible
     max_body_chars: int = DEFAULT_MAX_BODY_CHARS
+    default_max_results: int = 10  # when the model does not say; fewer results mean shorter contexts
 
     def __post_init__(self):
         self.visible_until = day_after(self.query_date)
 
     def search_inbox(self, keywords: list[str], from_address: str | None = None, to_address: str | None = None,
                      sent_after: str | None = None, sent_before: str | None = None,
-                     max_results: int = 10) -> list[dict]:
+                     max_results: int | None = None) -> list[dict]:
         results = self.db.search(self.address, keywords, from_address=from_address, to_address=to_address,
-                                 sent_after=sent_after, sent_before=sent_before,
-                                 visible_until=self.visible_until, max_results=max_results)
+                                 sent_after=sent_after, sent_before=sent_before, visible_until=self.visible_until,
+                                 max_results=max_results or self.default_max_results)
         return [asdict(r) for r in results]
 
     def read_email(self, message_id: str) -> dict | None:
