@@ -1,0 +1,66 @@
+"""Warm-start sources: the scripted demo expert and a teacher's evaluation folder."""
+
+import asyncio
+import json
+
+import pytest
+
+from email_agent import questions as qmod
+from email_agent.data import DataError
+from email_agent.rollout import RolloutConfig
+from email_agent.sft import expert_trajectories, question_keywords, sft_source, teacher_trajectories
+
+
+def test_question_keywords():
+    assert question_keywords("Where is the Petrel steering committee being held?") == ["Petrel", "steering", "committee"]
+    assert question_keywords("What's the hotel confirmation code for my Glasgow trip?")[0] == "Glasgow"
+    assert question_keywords("When is flight BW863 leaving?")[0] == "BW863"
+
+
+def test_expert_solves_most_train_questions_and_never_test(demo_db):
+    train = qmod.select_questions(demo_db, "train")
+    test = qmod.select_questions(demo_db, "test")[:5]
+    trajs = asyncio.run(expert_trajectories(demo_db, train + test, RolloutConfig(max_turns=4, max_body_chars=600)))
+    assert len(trajs) >= 0.6 * len(train)  # 147 of 210 with 4 turns when written
+    assert {t.metadata["question_id"] for t in trajs} <= {q.id for q in train}
+    for t in trajs:
+        assert t.metrics["answer_correct"] == t.metrics["sources_correct"] == 1
+        assert t.metrics["bad_tool_args"] == t.metrics["bad_tool_name"] == t.metrics["parse_errors"] == 0
+        names = [c.function.name for c in (ch.message.tool_calls for ch in t.messages_and_choices
+                                           if not isinstance(ch, dict)) for c in c]
+        assert names[0] == "search_inbox" and names[-1] == "return_final_answer" and "read_email" in names
+
+
+def record(qid, correct=1, sources=1, error=None, model="openai/o4-mini"):
+    return {"model": model, "question_id": qid, "reward": 1.0 if correct else -1.0, "error": error,
+            "metrics": {"answer_correct": correct, "sources_correct": sources, "num_turns": 2},
+            "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                         {"role": "assistant", "content": None, "refusal": None, "annotations": [],
+                          "tool_calls": [{"id": "c1", "type": "function",
+                                          "function": {"name": "read_email", "arguments": "{\"message_id\": \"m\"}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+                         {"role": "assistant", "content": None,
+                          "tool_calls": [{"id": "c2", "type": "function", "function": {
+                              "name": "return_final_answer", "arguments": "{\"answer\": \"a\", \"sources\": [\"m\"]}"}}]}]}
+
+
+def test_teacher_folder_keeps_exactly_the_judged_correct_cited_train_episodes(demo_db, tmp_path):
+    train_ids = [q.id for q in qmod.select_questions(demo_db, "train")[:5]]
+    test_id = qmod.select_questions(demo_db, "test")[0].id
+    rows = [record(train_ids[0]), record(train_ids[1], correct=0, sources=0), record(train_ids[2], sources=0),
+            record(train_ids[3], error="policy API error"), record(test_id), record(train_ids[4])]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trajs = teacher_trajectories(tmp_path, demo_db)
+    assert [t.metadata["question_id"] for t in trajs] == [train_ids[0], train_ids[4]]
+    messages = trajs[0].messages_and_choices
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[2]["tool_calls"][0]["function"] == {"name": "read_email", "arguments": "{\"message_id\": \"m\"}"}
+    assert "refusal" not in messages[2] and messages[2]["content"] == ""  # only what a chat template renders
+    assert trajs[0].tools and trajs[0].metadata["teacher"] == "openai/o4-mini"
+
+
+def test_bad_sources_are_clear_errors(demo_db, tmp_path):
+    with pytest.raises(DataError, match="demo-expert"):
+        sft_source("no-such-thing", demo_db, [], RolloutConfig())
+    with pytest.raises(DataError, match="results.jsonl"):
+        asyncio.run(sft_source(str(tmp_path), demo_db, [], RolloutConfig()))
