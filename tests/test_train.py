@@ -89,7 +89,12 @@ def test_interrupt_shuts_down_cleanly(demo_db_path, tmp_path, sig):
     rest = proc.stderr.read()
     assert proc.returncode == 130, rest[-2000:]
     assert "re-run the same command to resume" in rest and "Traceback" not in rest
-    group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    group = ["?"]
+    for _ in range(25):  # Python's resource tracker, started by tqdm's lock, exits a moment after its parent
+        group = subprocess.run(["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not group:
+            break
+        time.sleep(0.2)
     assert group == []  # no server or worker process left behind
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2)

@@ -61,7 +61,8 @@ def make_backend(name: str, cfg):
     if name == "cpu":
         from .cpu import CPUBackend
 
-        return CPUBackend(path=cfg.art_dir, seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha)
+        return CPUBackend(path=cfg.art_dir, seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                          train_threads=cfg.cpu_train_threads or os.cpu_count() or 1)
     if name == "local":
         if not cuda_available():
             raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")

@@ -302,9 +302,9 @@ class _Worker:
             return True
 
     def _run(self) -> None:
-        # One intra-op thread: decoding is overhead-bound, and the event loop (HTTP, templates, the
-        # rollouts' tools) needs the other core. OpenMP threads that lose their core to another busy thread
-        # stall at every barrier: small matmuls then take 100x longer.
+        # One intra-op thread: decoding (bound by reading the weights) gains little from a second one, and
+        # the event loop (HTTP, templates, the rollouts' tools) needs the other core. OpenMP threads that
+        # lose their core to another busy thread stall at every barrier: small matmuls then take 100x longer.
         torch.set_num_threads(1)
         batch = _Batch(self)
         while self._collect(block=not (batch.rows or self._pending or self._calls)):
@@ -315,11 +315,16 @@ class _Worker:
                 except BaseException as error:  # noqa: BLE001 (handed to the awaiting coroutine)
                     _settle(job, error=error)
                 continue
-            # A waiting call stops admissions, so training is not starved by a stream of rollouts.
-            while not self._calls and self._pending and len(batch.rows) < self.max_batch_size:
-                batch.admit(self._pending.popleft())
-            if batch.rows:
-                batch.step()
+            try:
+                # A waiting call stops admissions, so training is not starved by a stream of rollouts.
+                while not self._calls and self._pending and len(batch.rows) < self.max_batch_size:
+                    batch.admit(self._pending.popleft())
+                if batch.rows:
+                    batch.step()
+            except Exception as error:  # noqa: BLE001 (fail this batch's requests, keep serving)
+                for job in batch.rows:
+                    _settle(job, error=error)
+                batch = _Batch(self)
         shutdown = RuntimeError("the CPU backend was closed")
         for job in [*batch.rows, *self._pending, *self._calls]:
             _settle(job, error=shutdown)
@@ -366,14 +371,8 @@ class _Batch:
         # The fed token's position in its own sequence, whatever padding its row has.
         positions = torch.tensor([[len(row.prompt_ids) + len(row.tokens) - 1] for row in self.rows])
         self.mask = torch.cat([self.mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
-        try:
-            out = self.worker.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
-                                    past_key_values=self.cache, use_cache=True)
-        except Exception as error:  # noqa: BLE001
-            for row in self.rows:
-                _settle(row, error=error)
-            self.rows, self.cache, self.mask = [], None, None
-            return
+        out = self.worker.model(input_ids=input_ids, attention_mask=self.mask, position_ids=positions,
+                                past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         self._sample(out.logits[:, -1], self.rows)
         self._retire()
@@ -390,7 +389,11 @@ class _Batch:
                     sorted_probs, order = probs.sort(descending=True)
                     outside = sorted_probs.cumsum(0) - sorted_probs > row.top_p
                     probs = probs.scatter(0, order[outside], 0.0)
-                token = int(torch.multinomial(probs, 1, generator=row.generator))
+                # Inverse-CDF draw: torch.multinomial costs ~1.4 ms over a 49k vocabulary, this ~0.1 ms.
+                # side="right" never lands on a zero-probability token.
+                cdf = probs.cumsum(0)
+                u = torch.rand(1, generator=row.generator) * cdf[-1]
+                token = min(int(torch.searchsorted(cdf, u, right=True)), len(cdf) - 1)
             # Logprob under the temperature-scaled distribution, the one the token was drawn from.
             row.tokens.append(token)
             row.logprobs.append(float(logprobs[token]))
@@ -401,7 +404,7 @@ class _Batch:
 
     def _retire(self) -> None:
         keep = [i for i, row in enumerate(self.rows) if row.finish_reason is None and not row.future.cancelled()]
-        for i, row in enumerate(self.rows):
+        for row in self.rows:
             if row.finish_reason is not None:
                 _settle(row, result=row)
         if len(keep) == len(self.rows):
@@ -588,7 +591,7 @@ def _load_for_serving(worker: _Worker, base_model: str, checkpoint_dir: str | No
     model, tokenizer = load_base_model(base_model)
     if checkpoint_dir is not None:
         try:
-            # Merged into the base weights: decoding is overhead-bound and LoRA adds 210 small matmuls.
+            # Merged into the base weights: decoding is ~20% faster than through the LoRA layers.
             model = PeftModel.from_pretrained(model, checkpoint_dir).merge_and_unload()
         except Exception as error:
             raise CheckpointError(f"Could not load the LoRA checkpoint {checkpoint_dir}: "
@@ -776,8 +779,8 @@ class CPUBackend:
         self._publish()
 
     def _publish(self) -> None:
-        """Serve a merged copy of the current weights: decoding is overhead-bound and the unmerged LoRA
-        adds 210 small matmuls per token (~30% slower). Re-merging after a step takes well under a second."""
+        """Serve a merged copy of the current weights: the unmerged LoRA adds 210 small matmuls per decoded
+        token (~20% slower). Copying and merging after a step takes under a second."""
         self._worker.serve(copy.deepcopy(self._peft).merge_and_unload().eval(), self._tokenizer)
 
     def _new_optimizer(self) -> torch.optim.AdamW:

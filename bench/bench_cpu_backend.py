@@ -1,0 +1,156 @@
+"""Throughput of the CPU backend (a script that prints figures; not a test).
+
+(a) Trainer: trained tokens/s of `CPUBackend.train` on a fixed batch of tool-using trajectories sampled
+    through the backend's own server, beside a bare forward+backward loop (plain HF forward, full
+    logits, log-prob loss on the same assistant tokens) over the same token rows with the same LoRA.
+    Target: train / bare >= 0.7.
+(b) Server: generated tokens/s at concurrency 1 and 8 (fixed max_tokens, ignore_eos), and the ratio.
+    Target: 8 concurrent >= 3x single stream.
+
+    .venv/bin/python bench/bench_cpu_backend.py        (~4 minutes on 2 cores)
+
+Figures depend on what else runs on the machine: another busy process makes multi-threaded torch
+stall at every barrier. The load average is printed for that reason.
+"""
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from email_agent.backends.cpu import CPUBackend  # noqa: E402  (sets the offline litellm default first)
+
+import art  # noqa: E402
+import openai  # noqa: E402
+import torch  # noqa: E402
+from art.loss import shift_tensor  # noqa: E402
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "search_emails", "description": "Search the user's inbox. All keywords must match.",
+        "parameters": {"type": "object", "properties": {
+            "keywords": {"type": "array", "items": {"type": "string"}},
+            "from_addr": {"type": "string"}, "sent_after": {"type": "string", "description": "YYYY-MM-DD"},
+            "sent_before": {"type": "string", "description": "YYYY-MM-DD"}}, "required": ["keywords"]}}},
+    {"type": "function", "function": {
+        "name": "read_email", "description": "Read one email by its message id.",
+        "parameters": {"type": "object", "properties": {"message_id": {"type": "string"}},
+                       "required": ["message_id"]}}},
+    {"type": "function", "function": {
+        "name": "return_final_answer", "description": "Give the final answer and the message ids it rests on.",
+        "parameters": {"type": "object", "properties": {
+            "answer": {"type": "string"}, "sources": {"type": "array", "items": {"type": "string"}}},
+            "required": ["answer", "sources"]}}},
+]
+SYSTEM = ("You are an email search agent. Use the tools to search the user's inbox and answer the question. "
+          "You may take up to 10 turns; if a search finds nothing, try other keywords. "
+          "The user's address is sally.beck@enron.com and today is 2001-05-14.")
+QUESTIONS = ["When is the budget review with the trading desk?", "Who approved the new credit limits for Dynegy?",
+             "What time does the Houston ops meeting start on Friday?", "Which hotel was booked for the offsite?"]
+SEARCH_RESULT = json.dumps([{"message_id": f"<{1000 + i}.JavaMail.evans@thyme>",
+                             "snippet": f"... the <b>budget</b> review is moved to Thursday {i + 1} pm in room EB3{i}21 "
+                                        "... please bring the Q2 trading desk numbers and the credit exposure report ..."}
+                            for i in range(6)])
+TRAJECTORIES_PER_GROUP = 4
+SAMPLED_TOKENS = 40
+
+
+async def sample_trajectories(model, client) -> list[art.TrajectoryGroup]:
+    async def trajectory(question: str, seed: int, reward: float) -> art.Trajectory:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        items: list = list(messages)
+        for turn in range(2):
+            response = await client.chat.completions.create(
+                model=model.get_inference_name(), messages=messages, tools=TOOLS, temperature=1.0,
+                seed=seed * 10 + turn, max_tokens=SAMPLED_TOKENS, logprobs=True, extra_body={"ignore_eos": True})
+            choice = response.choices[0]
+            items.append(choice)
+            messages.append({"role": "assistant", "content": choice.message.content or ""})
+            if turn == 0:  # a tool result, as the rollout would append after a search
+                tool = {"role": "tool", "tool_call_id": "call_0", "content": SEARCH_RESULT}
+                items.append(tool)
+                messages.append(tool)
+        return art.Trajectory(messages_and_choices=items, tools=TOOLS, reward=reward)
+
+    groups = [art.TrajectoryGroup(trajectory(q, g * 10 + i, reward=float(i % 2 == 0) + 0.1 * i)
+                                  for i in range(TRAJECTORIES_PER_GROUP)) for g, q in enumerate(QUESTIONS[:2])]
+    return await art.gather_trajectory_groups(groups, pbar_desc="sample")
+
+
+def bare_loop(backend, groups) -> tuple[int, float]:
+    """Forward+backward over the rows `train` will see: plain HF forward (all logits), no ART loss."""
+    packed, _ = backend._pack(groups, {"scale_rewards": True})
+    lengths = (packed["input_pos"].max(dim=1).values + 1).tolist()
+    targets = shift_tensor(packed["assistant_mask"], False)
+    peft = backend._peft
+    torch.set_num_threads(backend.train_threads)
+    peft.train()
+    started = time.monotonic()
+    for row, length in enumerate(lengths):
+        tokens = packed["tokens"][row:row + 1, :length]
+        logprobs = torch.log_softmax(peft(input_ids=tokens).logits[0, :-1].float(), -1)
+        picked = logprobs.gather(-1, tokens[0, 1:, None]).squeeze(-1)
+        (-(picked * targets[row, :length - 1]).sum()).backward()
+    elapsed = time.monotonic() - started
+    peft.zero_grad(set_to_none=True)
+    peft.eval()
+    torch.set_num_threads(1)  # the worker's setting for generation
+    return sum(lengths), elapsed
+
+
+async def server_throughput(model, client, concurrency: int, requests: int, max_tokens: int) -> float:
+    async def one(i: int) -> int:
+        response = await client.chat.completions.create(
+            model=model.get_inference_name(), max_tokens=max_tokens, temperature=1.0, seed=i,
+            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], extra_body={"ignore_eos": True})
+        return response.usage.completion_tokens
+
+    started, tokens = time.monotonic(), 0
+    for batch_start in range(0, requests, concurrency):
+        done = await asyncio.gather(*(one(i) for i in range(batch_start, min(requests, batch_start + concurrency))))
+        tokens += sum(done)
+    return tokens / (time.monotonic() - started)
+
+
+async def main() -> None:
+    print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as path:
+        async with CPUBackend(path=path, seed=0) as backend:
+            model = art.TrainableModel(name="bench", project="bench", base_model="smollm2", report_metrics=[])
+            await model.register(backend)
+            client = openai.AsyncOpenAI(base_url=model.inference_base_url, api_key="x", max_retries=0)
+
+            # (b) first, on the untrained weights the rollouts below also use.
+            await server_throughput(model, client, 1, 1, 8)  # warm-up
+            single = await server_throughput(model, client, 1, 2, 64)
+            batched = await server_throughput(model, client, 8, 8, 64)
+
+            started = time.monotonic()
+            groups = await sample_trajectories(model, client)
+            print(f"sampled {sum(len(g.trajectories) for g in groups)} tool-using trajectories "
+                  f"(2 assistant turns of {SAMPLED_TOKENS} tokens each) in {time.monotonic() - started:.0f}s")
+            bare_tokens, bare_s = await backend._worker.call(bare_loop, backend, groups)
+            result = await backend.train(model, groups, learning_rate=1e-5)
+            train_rate, bare_rate = result.metrics["tokens_per_s"], bare_tokens / bare_s
+
+    print(f"\n(a) trainer, {backend.train_threads} threads, {int(result.metrics['trained_tokens'])} tokens in "
+          f"{int(result.metrics['num_trainable'])} rows ({int(result.metrics['assistant_tokens'])} trained on)")
+    print(f"    CPUBackend.train (whole call: tokenize, forward/backward, AdamW, checkpoint): "
+          f"{train_rate:7.1f} tokens/s ({result.metrics['step_s']:.1f}s)")
+    print(f"    bare forward+backward loop, same rows and LoRA:                            "
+          f"{bare_rate:7.1f} tokens/s ({bare_s:.1f}s)")
+    print(f"    ratio train/bare: {train_rate / bare_rate:.2f} (target >= 0.7)")
+    print(f"\n(b) server, 64 tokens per request (ignore_eos), short chat prompt")
+    print(f"    concurrency 1: {single:6.1f} tokens/s")
+    print(f"    concurrency 8: {batched:6.1f} tokens/s")
+    print(f"    ratio 8/1: {batched / single:.2f} (target >= 3)")
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,431 @@
+"""CPU backend: tool-call parsing, the tool chat template, the OpenAI-compatible server, a GRPO step
+through ART's own loss, SFT, checkpoints (atomic, resumable, corrupt ones refused) and clean shutdown.
+
+Tests marked slow load SmolLM2-135M once per process (~25 s) and share one event loop and one served
+backend; training tests get their own backend in a temporary directory.
+"""
+
+import asyncio
+import json
+import math
+import socket
+import threading
+
+import pytest
+
+from email_agent.backends.cpu import (TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, _without_choice_tool_calls,
+                                      parse_tool_calls, serve_checkpoint)
+
+import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
+import art  # noqa: E402
+import openai  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from art.preprocessing.tokenize import tokenize_trajectory_groups  # noqa: E402
+from openai.types.chat.chat_completion import Choice  # noqa: E402
+from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
+
+SEARCH_TOOL = {"type": "function", "function": {
+    "name": "search_emails", "description": "Search the inbox for emails matching all keywords.",
+    "parameters": {"type": "object", "properties": {"keywords": {"type": "array", "items": {"type": "string"}}},
+                   "required": ["keywords"]}}}
+SYSTEM = {"role": "system", "content": "You answer questions about the user's email. Use the tools."}
+QUESTION = {"role": "user", "content": "When is the budget meeting with Sally?"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tool-call parsing
+# ----------------------------------------------------------------------------------------------
+
+def test_parse_valid_call():
+    content, calls = parse_tool_calls('<tool_call>\n{"name": "search_emails", "arguments": {"keywords": ["x"]}}\n'
+                                      '</tool_call>')
+    assert content is None
+    assert calls == [{"id": "call_0", "type": "function",
+                      "function": {"name": "search_emails", "arguments": '{"keywords": ["x"]}'}}]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"keywords": ["x"]}
+
+
+def test_parse_invalid_json_keeps_raw_arguments():
+    content, calls = parse_tool_calls('<tool_call>{"name": "read_email", "arguments": {"id": 12,}</tool_call>')
+    assert content is None and len(calls) == 1
+    assert calls[0]["function"]["name"] == "read_email"
+    assert calls[0]["function"]["arguments"] == '{"name": "read_email", "arguments": {"id": 12,}'
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(calls[0]["function"]["arguments"])
+
+
+def test_parse_several_calls_and_text():
+    text = ('Let me look.\n<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": "{\\"q\\": \\"é\\"}"}</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me look."
+    assert [c["id"] for c in calls] == ["call_0", "call_1"]
+    assert [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"k": 1}, {"q": "é"}]
+
+
+def test_parse_no_call_and_unclosed_call():
+    assert parse_tool_calls("The meeting is on Friday.") == ("The meeting is on Friday.", [])
+    assert parse_tool_calls("") == (None, [])
+    content, calls = parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {}}')  # cut at max_tokens
+    assert content is None and calls[0]["function"] == {"name": "a", "arguments": "{}"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat template (rendered by transformers' own Jinja renderer, no model needed)
+# ----------------------------------------------------------------------------------------------
+
+def render(messages, tools=None, add_generation_prompt=False):
+    rendered, _ = render_jinja_template([messages], tools=tools, chat_template=TOOL_CHAT_TEMPLATE,
+                                        add_generation_prompt=add_generation_prompt)
+    return rendered[0]
+
+
+def assistant_call(arguments, content=None, name="search_emails"):
+    return {"role": "assistant", "content": content,
+            "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def test_template_lists_tools_in_system_turn():
+    text = render([SYSTEM, QUESTION], tools=[SEARCH_TOOL], add_generation_prompt=True)
+    system_turn = text.split("<|im_end|>")[0]
+    assert system_turn.startswith("<|im_start|>system\n" + SYSTEM["content"])
+    tools_json = system_turn.split("<tools>\n")[1].split("\n</tools>")[0]
+    assert json.loads(tools_json) == SEARCH_TOOL
+    assert text.endswith("<|im_start|>user\n" + QUESTION["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_renders_string_and_dict_arguments_alike():
+    as_string = render([QUESTION, assistant_call('{"keywords": ["budget"]}')])
+    as_dict = render([QUESTION, assistant_call({"keywords": ["budget"]})])
+    expected = ('<|im_start|>assistant\n<tool_call>\n{"name": "search_emails", "arguments": {"keywords": ["budget"]}}'
+                '\n</tool_call><|im_end|>\n')
+    assert as_string == as_dict
+    assert as_string.endswith(expected)
+
+
+def test_template_renders_invalid_json_raw_and_tool_results():
+    broken = '{"keywords": ["budget"'
+    text = render([QUESTION, assistant_call(broken, content="Searching."),
+                   {"role": "tool", "tool_call_id": "call_0", "content": '[{"message_id": "<1@x>"}]'},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "second"}], add_generation_prompt=True)
+    assert '<|im_start|>assistant\nSearching.\n<tool_call>\n{"name": "search_emails", "arguments": ' + broken in text
+    assert text.endswith('<|im_start|>user\n<tool_response>\n[{"message_id": "<1@x>"}]\n</tool_response>\n'
+                         '<tool_response>\nsecond\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+
+
+def test_template_without_tools_or_content():
+    text = render([QUESTION, {"role": "assistant", "content": None}, {"role": "user", "content": [
+        {"type": "text", "text": "parts"}]}])
+    assert text == ("<|im_start|>user\n" + QUESTION["content"] + "<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+                    "<|im_start|>user\nparts<|im_end|>\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Model-backed tests: one event loop and one served backend for the module
+# ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def served(loop, tmp_path_factory):
+    backend = CPUBackend(path=str(tmp_path_factory.mktemp("served")), train_threads=1)
+    model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
+    loop.run_until_complete(model.register(backend))
+    yield backend, model
+    loop.run_until_complete(backend.close())
+
+
+def client_for(model) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key, max_retries=0)
+
+
+async def ask(model, messages, **kwargs) -> Choice:
+    response = await client_for(model).chat.completions.create(
+        model=model.get_inference_name(), messages=messages, **{"max_tokens": 16, "logprobs": True, **kwargs})
+    return response.choices[0]
+
+
+@pytest.mark.slow
+def test_server_answers_tool_request_in_openai_format(loop, served):
+    _, model = served
+
+    async def run():
+        response = await client_for(model).chat.completions.create(
+            model=model.get_inference_name(), messages=[SYSTEM, QUESTION], tools=[SEARCH_TOOL],
+            max_completion_tokens=24, temperature=1.0, seed=3)
+        models = await client_for(model).models.list()
+        return response, [m.id for m in models.data]
+
+    response, served_names = loop.run_until_complete(run())
+    assert served_names == ["agent@0"] and response.model == "agent@0"
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls)
+    tokens = choice.logprobs.content
+    assert len(tokens) == response.usage.completion_tokens > 0
+    assert all(t.token.startswith("token_id:") and int(t.token.split(":")[1]) >= 0 for t in tokens)
+    assert all(t.logprob <= 0 and math.isfinite(t.logprob) for t in tokens)
+    assert response.usage.prompt_tokens > 100  # the tool schema is in the prompt
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_server_rejects_bad_requests_and_keeps_serving(loop, served):
+    _, model = served
+
+    async def run():
+        client = client_for(model)
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="nobody@0", messages=[QUESTION])
+        with pytest.raises(openai.BadRequestError, match="n=1"):
+            await client.chat.completions.create(model=model.get_inference_name(), messages=[QUESTION], n=2)
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            await client.chat.completions.create(model=model.get_inference_name(), messages=[
+                {"role": "user", "content": "word " * 9000}])
+        async with aiohttp.ClientSession() as session:
+            url = model.inference_base_url + "/chat/completions"
+            async with session.post(url, data=b"{not json", headers={"Content-Type": "application/json"}) as r:
+                malformed = r.status, await r.json()
+            async with session.post(url, json={"model": model.get_inference_name(), "messages": "hi"}) as r:
+                bad_messages = r.status, await r.json()
+        return malformed, bad_messages, await ask(model, [QUESTION], max_tokens=4)
+
+    malformed, bad_messages, choice = loop.run_until_complete(run())
+    assert malformed[0] == 400 and "not valid JSON" in malformed[1]["error"]["message"]
+    assert bad_messages[0] == 400 and "messages" in bad_messages[1]["error"]["message"]
+    assert len(choice.logprobs.content) >= 1  # still serving
+
+
+@pytest.mark.slow
+def test_concurrent_requests_batch_without_changing_results(loop, served):
+    _, model = served
+    prompts = [[SYSTEM, QUESTION], [{"role": "user", "content": "Write a haiku about snow."}],
+               [{"role": "user", "content": "hi"}], [SYSTEM, {"role": "user", "content": "Who sent the memo?"}]]
+
+    async def run():
+        together = await asyncio.gather(*(ask(model, p, temperature=0, max_tokens=12) for p in prompts))
+        alone = [await ask(model, p, temperature=0, max_tokens=12) for p in prompts]
+        return together, alone
+
+    together, alone = loop.run_until_complete(run())
+    for a, b in zip(together, alone):
+        assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.content, b.logprobs.content)) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+def completion_logprob(backend, messages, choice) -> float:
+    """Sum of log p(sampled tokens | prompt) under the backend's current LoRA, measured directly."""
+    tokenizer = backend._tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False)
+    completion = [int(t.token.split(":")[1]) for t in choice.logprobs.content]
+    with torch.no_grad():
+        logits = backend._peft(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    return float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).sum())
+
+
+def lora_weights(backend) -> dict:
+    return {k: v.detach().clone() for k, v in backend._peft.named_parameters() if "lora_" in k}
+
+
+@pytest.mark.slow
+def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
+    messages = [SYSTEM, QUESTION]
+
+    async def first_run():
+        backend = CPUBackend(path=str(tmp_path), seed=1, train_threads=1)
+        model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
+        await model.register(backend)
+        good, bad = await asyncio.gather(ask(model, messages, seed=1), ask(model, messages, seed=2))
+        assert [t.token for t in good.logprobs.content] != [t.token for t in bad.logprobs.content]
+        before = completion_logprob(backend, messages, good), completion_logprob(backend, messages, bad)
+        group = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, good], reward=1.0),
+                                     art.Trajectory(messages_and_choices=[*messages, bad], reward=0.0)])
+        result = await backend.train(model, [group], learning_rate=1e-3)
+        after = completion_logprob(backend, messages, good), completion_logprob(backend, messages, bad)
+        await model.log([group], split="train", metrics=result.metrics, step=result.step)
+        served_names = [m.id for m in (await client_for(model).models.list()).data]
+        with pytest.raises(openai.NotFoundError):
+            await client_for(model).chat.completions.create(model="agent@0", messages=messages)
+        greedy = await ask(model, messages, temperature=0, max_tokens=8)  # agent@1 answers
+        # All rewards equal: no update, but the step still advances (as LocalBackend does).
+        flat = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, good], reward=0.5)] * 2)
+        flat_result = await backend.train(model, [flat], learning_rate=1e-3)
+        weights, step = lora_weights(backend), await model.get_step()
+        optimizer = backend._optimizer.state_dict()
+        await backend._delete_checkpoint_files(model, [1, 2])
+        await backend.close()
+        # The evaluation path: the same checkpoint served on its own answers the same, greedily.
+        checkpoint = tmp_path / "test" / "models" / "agent" / "checkpoints" / "0001"
+        async with serve_checkpoint("smollm2", str(checkpoint), "agent-eval") as base_url:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+            evaluated = (await client.chat.completions.create(
+                model="agent-eval", messages=messages, temperature=0, max_tokens=8, logprobs=True)).choices[0]
+        assert [t.token for t in evaluated.logprobs.content] == [t.token for t in greedy.logprobs.content]
+        return result, flat_result, before, after, served_names, weights, step, optimizer
+
+    result, flat_result, before, after, served_names, weights, step, optimizer = loop.run_until_complete(first_run())
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
+    assert result.step == 1 and served_names == ["agent@1"]
+    assert {"loss", "grad_norm", "num_trajectories", "num_trainable", "trained_tokens", "tokens_per_s",
+            "step_s"} <= set(result.metrics)
+    assert result.metrics["num_trajectories"] == 2 and result.metrics["num_trainable"] == 2
+    assert result.metrics["trained_tokens"] > 0 and result.metrics["grad_norm"] > 0
+    checkpoint = tmp_path / "test" / "models" / "agent" / "checkpoints" / "0001"
+    assert result.checkpoint_path == str(checkpoint)
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= {
+        p.name for p in checkpoint.iterdir()}
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 1
+    history = (tmp_path / "test" / "models" / "agent" / "history.jsonl").read_text()
+    assert '"train/loss"' in history
+    assert flat_result.step == step == 2 and flat_result.metrics["num_trainable"] == 0
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["0001", "0002"]  # 0000 deleted, no temp dirs
+
+    async def resume():
+        backend = CPUBackend(path=str(tmp_path), seed=1, train_threads=1)
+        model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
+        await model.register(backend)
+        state = lora_weights(backend), await model.get_step(), model.get_inference_name()
+        optimizer_state = backend._optimizer.state_dict()
+        await backend.close()
+        return (*state, optimizer_state)
+
+    resumed_weights, resumed_step, name, resumed_optimizer = loop.run_until_complete(resume())
+    assert resumed_step == 2 and name == "agent@2"
+    assert weights.keys() == resumed_weights.keys()
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+    assert any(w.abs().sum() > 0 for k, w in weights.items() if "lora_B" in k)  # really trained
+    assert all(torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+               for a, b in zip(optimizer["state"].values(), resumed_optimizer["state"].values()))
+
+
+@pytest.mark.slow
+def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
+    backend, _ = served
+    tokenizer = backend._tokenizer
+    call_text = '<tool_call>\n{"name": "search_emails", "arguments": {"keywords": ["budget"]}}\n</tool_call>'
+    ids = tokenizer.encode(call_text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    _, calls = parse_tool_calls(call_text)
+    choice = Choice.model_validate({
+        "index": 0, "finish_reason": "tool_calls",
+        "message": {"role": "assistant", "content": None, "tool_calls": calls},
+        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
+                                 for i in ids]}})
+    answer = Choice.model_validate({
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Friday."},
+        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
+                                 for i in tokenizer.encode("Friday.", add_special_tokens=False) + ids[-1:]]}})
+    trajectory = art.Trajectory(messages_and_choices=[
+        SYSTEM, QUESTION, choice, {"role": "tool", "tool_call_id": "call_0", "content": "[]"}, answer],
+        tools=[SEARCH_TOOL], reward=1.0)
+    group = art.TrajectoryGroup([trajectory, trajectory.model_copy(update={"reward": 0.0})])
+    call = '<tool_call>\n{"name": "search_emails"'
+    unfixed = next(tokenize_trajectory_groups(tokenizer, [group], False, True))
+    assert tokenizer.decode(unfixed.token_ids).count(call) == 2  # ART alone renders the sampled call twice
+    result = next(tokenize_trajectory_groups(tokenizer, [_without_choice_tool_calls(group)], False, True))
+    text = tokenizer.decode(result.token_ids)
+    assert text.count(call) == 1
+    assert text.endswith('</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n[]\n</tool_response><|im_end|>'
+                         '\n<|im_start|>assistant\nFriday.<|im_end|>')
+    trained = [t for t, m in zip(result.token_ids, result.assistant_mask) if m]
+    assert trained == ids + tokenizer.encode("Friday.", add_special_tokens=False) + ids[-1:]
+
+
+@pytest.mark.slow
+def test_sft_trains_on_assistant_turns(loop, tmp_path):
+    trajectory = art.Trajectory(messages_and_choices=[
+        SYSTEM, QUESTION, assistant_call({"keywords": ["budget", "Sally"]}),
+        {"role": "tool", "tool_call_id": "call_0", "content": "[]"},
+        {"role": "assistant", "content": "I don't know."}], tools=[SEARCH_TOOL], reward=0.0)
+
+    async def run():
+        backend = CPUBackend(path=str(tmp_path), train_threads=1)
+        model = art.TrainableModel(name="sft", project="test", base_model="smollm2", report_metrics=[])
+        await model.register(backend)
+        config = art.TrainSFTConfig(learning_rate=1e-3, batch_size=1)
+        first = [m async for m in backend._train_sft(model, [trajectory], config, {})]
+        second = [m async for m in backend._train_sft(model, [trajectory], config, {})]
+        step = await model.get_step()
+        await backend.close()
+        return first, second, step
+
+    first, second, step = loop.run_until_complete(run())
+    tokens = first[0]["num_trainable_tokens"]
+    # The two assistant turns (tool call and answer, each with its <|im_end|>), nothing else.
+    assert 25 < tokens < 45, tokens
+    assert second[0]["loss"] < first[0]["loss"]
+    assert step == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Failure and shutdown
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_is_refused_clearly(loop, tmp_path):
+    broken = tmp_path / "test" / "models" / "agent" / "checkpoints" / "0003"
+    broken.mkdir(parents=True)
+    (broken / "adapter_config.json").write_text("{truncated")
+    (broken / "adapter_model.safetensors").write_bytes(b"\0" * 10)
+
+    async def run():
+        backend = CPUBackend(path=str(tmp_path))
+        model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
+        try:
+            await model.register(backend)
+        finally:
+            await backend.close()
+
+    with pytest.raises(CheckpointError, match="--fresh") as error:
+        loop.run_until_complete(run())
+    assert str(broken) in str(error.value)
+
+
+def test_unknown_base_model_is_a_clear_error(loop, tmp_path):
+    async def run():
+        backend = CPUBackend(path=str(tmp_path))
+        model = art.TrainableModel(name="agent", project="test", base_model="Qwen/Qwen2.5-7B-Instruct")
+        try:
+            await model.register(backend)
+        finally:
+            await backend.close()
+
+    with pytest.raises(FileNotFoundError, match="not attempted offline"):
+        loop.run_until_complete(run())
+
+
+@pytest.mark.slow
+def test_close_frees_port_and_threads(loop, tmp_path):
+    threads_before = set(threading.enumerate())  # the module's served backend keeps its own worker
+
+    async def run():
+        backend = CPUBackend(path=str(tmp_path))
+        model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
+        await model.register(backend)
+        port = backend._server.port
+        pending = asyncio.ensure_future(ask(model, [QUESTION], max_tokens=200))
+        await asyncio.sleep(1.0)  # mid-generation
+        await backend.close()
+        with pytest.raises(openai.APIError):
+            await pending
+        return port
+
+    port = loop.run_until_complete(run())
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert not [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("cpu-")]
+    # tqdm's multiprocessing lock (first progress bar) starts Python's resource tracker; it is not ours.
+    children = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    assert [c for c in children if "multiprocessing.resource_tracker" not in " ".join(c)] == []
