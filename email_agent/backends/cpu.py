@@ -33,9 +33,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-# litellm (imported by art) downloads a price table at import time unless told not to; we run offline.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from aiohttp import web  # noqa: E402
