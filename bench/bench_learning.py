@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--test-questions", type=int, default=100)
-    parser.add_argument("--sft-limit", type=int, default=64)
+    parser.add_argument("--sft-limit", type=int, default=32)
     parser.add_argument("--sft-epochs", type=int, default=2)
     parser.add_argument("--rl-steps", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")

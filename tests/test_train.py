@@ -21,7 +21,7 @@ from scripted_server import expert_script, serve_in_thread
 
 import train_email_search_agent as cli
 
-TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-batch-size", "4", "--groups-per-step", "1",
+TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4", "--groups-per-step", "1",
         "--rollouts-per-group", "2", "--max-turns", "3", "--max-tokens", "40", "--val-size", "2", "--eval-every", "1",
         "--keep-checkpoints", "all", "--max-body-chars", "300"]
 
