@@ -48,7 +48,6 @@ TOOLS = [
         }, "required": ["answer", "sources"]},
     }},
 ]
-TOOL_NAMES = [t["function"]["name"] for t in TOOLS]
 _PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
