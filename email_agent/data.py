@@ -399,7 +399,6 @@ def _fill(conn, emails, questions, summary, source, total, progress, normalize_q
     for name, sql in tqdm(steps, desc="indexing", unit=" step", disable=not progress):
         conn.executescript(sql) if ";" in sql else conn.execute(sql)
 
-    message_ids = seen
     split_counts: dict[str, int] = {}
     for raw in questions:
         try:
@@ -407,7 +406,7 @@ def _fill(conn, emails, questions, summary, source, total, progress, normalize_q
         except ValueError:
             summary.questions_skipped += 1
             continue
-        gold_in_db = all(m in message_ids for m in q.message_ids)
+        gold_in_db = all(m in seen for m in q.message_ids)
         summary.questions_missing_gold += not gold_in_db
         split_counts[q.split] = split_counts.get(q.split, 0) + 1
         conn.execute("INSERT OR REPLACE INTO questions VALUES (?,?,?,?,?,?,?,?,?)",

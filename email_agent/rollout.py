@@ -150,7 +150,7 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
         rubric.ran_out_of_turns = 1
     verdict = await grade(rubric, question, answer, sources, config)
     traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources))
-    traj.metrics = {k: v for k, v in asdict(rubric).items()}
+    traj.metrics = asdict(rubric)
     traj.metadata.update({"answer": answer, "sources": json.dumps(sources), "error": error,
                           "verdict_judge": verdict.judge if verdict else None,
                           "verdict_reasoning": verdict.reasoning if verdict else None,
