@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from email_agent.backends.cpu import (TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, _without_choice_tool_calls,
-                                      parse_tool_calls, serve_checkpoint)
+from email_agent.backends.cpu import (TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, _PrefixCache,
+                                      _without_choice_tool_calls, parse_tool_calls, serve_checkpoint)
 
 import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
 import art  # noqa: E402
@@ -87,13 +87,17 @@ def assistant_call(arguments, content=None, name="search_emails"):
             "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}]}
 
 
-def test_template_lists_tools_in_system_turn():
+def test_template_lists_tools_in_system_turn_before_the_system_text():
     text = render([SYSTEM, QUESTION], tools=[SEARCH_TOOL], add_generation_prompt=True)
     system_turn = text.split("<|im_end|>")[0]
-    assert system_turn.startswith("<|im_start|>system\n" + SYSTEM["content"])
+    assert system_turn.startswith("<|im_start|>system\n# Tools")
+    assert system_turn.endswith("</tool_call>\n\n" + SYSTEM["content"])
     tools_json = system_turn.split("<tools>\n")[1].split("\n</tools>")[0]
     assert json.loads(tools_json) == SEARCH_TOOL
     assert text.endswith("<|im_start|>user\n" + QUESTION["content"] + "<|im_end|>\n<|im_start|>assistant\n")
+    # Prompts with the same tools share everything before the system text (what the prefix cache reuses).
+    other = render([{"role": "system", "content": "Another inbox."}, QUESTION], tools=[SEARCH_TOOL])
+    assert other.split("</tool_call>")[0] == text.split("</tool_call>")[0]
 
 
 def test_template_renders_string_and_dict_arguments_alike():
@@ -219,6 +223,49 @@ def test_concurrent_requests_batch_without_changing_results(loop, served):
     for a, b in zip(together, alone):
         assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.content, b.logprobs.content)) < 1e-3
+
+
+@pytest.mark.slow
+def test_follow_up_turn_reuses_cached_prefix_with_identical_results(loop, served):
+    backend, model = served
+    cache = backend._worker.prefix_cache
+    first_turn = [SYSTEM, QUESTION]
+    follow_up = [SYSTEM, QUESTION, assistant_call('{"keywords": ["budget", "Sally"]}'),
+                 {"role": "tool", "tool_call_id": "call_0", "content": '[{"message_id": "<1@x>", "subject": "Budget"}]'}]
+
+    async def run():
+        first = await ask(model, first_turn, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
+        reused_before = cache.hit_tokens
+        cached = await ask(model, follow_up, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
+        reused = cache.hit_tokens - reused_before
+        await backend._worker.call(cache.clear)
+        fresh = await ask(model, follow_up, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
+        return first, reused, cached, fresh
+
+    first, reused, cached, fresh = loop.run_until_complete(run())
+    assert reused > 100  # at least the tool block and the question
+    assert [t.token for t in cached.logprobs.content] == [t.token for t in fresh.logprobs.content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(cached.logprobs.content, fresh.logprobs.content)) < 1e-4
+
+
+def test_prefix_cache_keeps_longest_entries_within_its_budget():
+    cache = _PrefixCache(max_bytes=32)  # room for 4 tokens' keys and values (float32, one layer, one dim)
+
+    def layers(n):
+        return [(torch.full((1, 1, n, 1), float(n)), torch.full((1, 1, n, 1), float(n)))]
+
+    cache.store([1, 2], layers(2))
+    cache.store([1, 2, 3], layers(3))  # covers [1, 2]: that entry goes
+    assert list(cache.entries) == [(1, 2, 3)]
+    reused, kv = cache.longest([1, 2, 3, 4] * 10)
+    assert reused == 0 and kv is None  # shorter than MIN_REUSE
+    cache.MIN_REUSE = 1
+    reused, kv = cache.longest([1, 2, 9])
+    assert reused == 2 and kv[0][0].shape[2] == 2  # a view of the first two positions
+    reused, _ = cache.longest([1, 2, 3])
+    assert reused == 2  # the last prompt token is always computed, for its logits
+    cache.store([7, 8], layers(2))  # over budget: the least recently used entry goes
+    assert list(cache.entries) == [(7, 8)] and cache.bytes == 16
 
 
 # ----------------------------------------------------------------------------------------------

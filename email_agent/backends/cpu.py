@@ -74,6 +74,8 @@ class CheckpointError(RuntimeError):
 # valid JSON) or as a mapping (rendered with tojson); neither path can raise. {% generation %} marks
 # the assistant tokens for SFT masking. The assistant turn always starts with "assistant\n", exactly
 # the generation prompt, so a rendered conversation extends the prompt the model sampled from.
+# The tool block comes before the system text (which names the inbox and the day), so every prompt
+# with the same tools starts with the same ~450 tokens, which the server's prefix cache computes once.
 TOOL_CHAT_TEMPLATE = """\
 {%- macro text(content) -%}
 {%- if content is string -%}{{ content }}
@@ -83,14 +85,14 @@ TOOL_CHAT_TEMPLATE = """\
 {%- endmacro -%}
 {%- set has_system = messages and messages[0].role == 'system' -%}
 {%- if tools -%}
-{{- '<|im_start|>system\\n' -}}
-{%- if has_system %}{{ text(messages[0].content) ~ '\\n\\n' }}{% endif -%}
-{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
+{{- '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
 {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
 {%- for tool in tools %}{{ '\\n' ~ (tool | tojson) }}{% endfor -%}
 {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments ' -}}
 {{- 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' -}}
-{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' -}}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
+{%- if has_system %}{{ '\\n\\n' ~ text(messages[0].content) }}{% endif -%}
+{{- '<|im_end|>\\n' -}}
 {%- elif has_system -%}
 {{- '<|im_start|>system\\n' ~ text(messages[0].content) ~ '<|im_end|>\\n' -}}
 {%- endif -%}
@@ -252,8 +254,10 @@ class _Worker:
     leave when done) and runs training/loading calls between batches, never while a row is decoding,
     so the weights never change under a generation."""
 
-    def __init__(self, max_batch_size: int, name: str = "cpu-backend-worker") -> None:
+    def __init__(self, max_batch_size: int, name: str = "cpu-backend-worker",
+                 prefix_cache_bytes: int = 1 << 30) -> None:
         self.max_batch_size = max_batch_size
+        self.prefix_cache = _PrefixCache(prefix_cache_bytes)
         self.model = None
         self.tokenizer = None
         self.stop_ids: set[int] = set()
@@ -265,6 +269,7 @@ class _Worker:
         self._thread.start()
 
     def serve(self, model, tokenizer) -> None:
+        self.prefix_cache.clear()  # computed by the old weights
         self.model, self.tokenizer = model, tokenizer
         ids = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
         eos = model.generation_config.eos_token_id
@@ -327,6 +332,69 @@ class _Worker:
             _settle(job, error=shutdown)
 
 
+class _PrefixCache:
+    """KV caches of recent prompts, so a prompt that extends one prefills only its new tokens.
+
+    An episode's next turn extends its last prompt, and every prompt starts with the same tool block, so
+    most prompt tokens were computed before: prefill (~200 tokens/s on one core) is most of a CPU rollout's
+    time. Entries are views of what the prefill produced, never written to; the worker clears them whenever
+    the weights change, since a cache is only valid for the weights that made it.
+    """
+
+    MIN_REUSE = 16  # shorter matches are not worth the bookkeeping
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: collections.OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
+            collections.OrderedDict()
+        self.bytes = 0
+        self.hit_tokens = self.prompt_tokens = 0  # reuse statistics, for the log and the benchmark
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def longest(self, ids: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """(n, layers): the first n tokens of `ids` have cached keys/values (n < len(ids): the last
+        token is always computed, for its logits)."""
+        self.prompt_tokens += len(ids)
+        ids = tuple(ids)
+        best, layers, best_key = 0, None, None
+        for key, value in self.entries.items():
+            shared = _shared_length(key, ids, min(len(key), len(ids) - 1))
+            if shared > best:
+                best, layers, best_key = shared, value, key
+        if best < self.MIN_REUSE:
+            return 0, None
+        self.entries.move_to_end(best_key)
+        self.hit_tokens += best
+        return best, [(k[:, :, :best], v[:, :, :best]) for k, v in layers]
+
+    def store(self, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        key = tuple(ids)
+        for old in [old for old in self.entries if len(old) <= len(key) and key[:len(old)] == old]:
+            self._drop(old)  # the new entry covers it
+        self.entries[key] = layers
+        self.bytes += sum(k.nbytes + v.nbytes for k, v in layers)
+        while self.bytes > self.max_bytes and len(self.entries) > 1:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.bytes -= sum(k.nbytes + v.nbytes for k, v in self.entries.pop(key))
+
+
+def _shared_length(a: tuple, b: tuple, n: int) -> int:
+    """Length of the common prefix of a[:n] and b[:n]: a binary search over slice comparisons, which run in C."""
+    low, high = 0, n
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 class _Batch:
     """Rows decoding together over one left-padded KV cache; each row keeps its own positions."""
 
@@ -340,13 +408,17 @@ class _Batch:
     def admit(self, row: _Generation) -> None:
         if row.future.cancelled():
             return
+        prefixes = self.worker.prefix_cache
         try:
-            # Prefill alone: no padding waste, and attention stays causal-only (fast CPU kernel).
-            out = self.worker.model(input_ids=torch.tensor([row.prompt_ids]), use_cache=True, logits_to_keep=1)
+            # Prefill alone (no padding waste, causal-only attention), from the longest cached prefix.
+            reused, layers = prefixes.longest(row.prompt_ids)
+            out = self.worker.model(input_ids=torch.tensor([row.prompt_ids[reused:]]), use_cache=True,
+                                    past_key_values=DynamicCache(layers) if layers else None, logits_to_keep=1)
         except Exception as error:  # noqa: BLE001 (one bad request must not stop the others)
             _settle(row, error=error)
             return
         cache, length = out.past_key_values, len(row.prompt_ids)
+        prefixes.store(row.prompt_ids, [(k, v) for k, v, _ in cache])
         if not self.rows:
             self.cache, self.mask = cache, torch.ones(1, length, dtype=torch.long)
         else:
