@@ -78,7 +78,7 @@ async def open_contestant(spec: str, args, stack: contextlib.AsyncExitStack) -> 
             label, history = f"{run.name}@{int(ckpt.name)}", run / "history.jsonl"
         else:
             ckpt, base_model, label, history = None, args.base_model, f"base:{Path(args.base_model).name}", None
-        base_url = await stack.enter_async_context(serve_checkpoint(base_model, ckpt, label, seed=args.seed))
+        base_url = await stack.enter_async_context(serve_checkpoint(base_model, ckpt, label, seed=args.seed, max_batch_size=args.concurrency))
         client = AsyncOpenAI(base_url=base_url, api_key="local", timeout=args.timeout, max_retries=2)
         return Contestant(label, Policy(client, label, **common), None, history)
 

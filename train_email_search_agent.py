@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
 import signal
@@ -181,7 +182,7 @@ class TrainConfig:
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=16, sft_epochs=2, sft_batch_size=4,
                    sft_learning_rate=1e-3, groups_per_step=2, rollouts_per_group=4, num_epochs=1, max_steps=2,
-                   learning_rate=5e-5, max_turns=3, max_tokens=64, max_body_chars=600, search_results=5,
+                   learning_rate=1e-4, max_turns=4, max_tokens=64, max_body_chars=600, search_results=3,
                    eval_every=2, val_size=8, concurrency=8)
 
 
@@ -211,7 +212,8 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
 
     from email_agent.rollout import rollout
 
-    trajs = await art.gather_trajectories((rollout(policy, q, db, rollout_config) for q in questions),
+    greedy = dataclasses.replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
+    trajs = await art.gather_trajectories((rollout(greedy, q, db, rollout_config) for q in questions),
                                           pbar_desc="validate", max_exceptions=len(questions))
     trajs = [t for t in trajs if isinstance(t, art.Trajectory)]
     calls = sum(t.metrics["tool_calls"] for t in trajs)

@@ -35,16 +35,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--test-questions", type=int, default=100)
-    parser.add_argument("--sft-limit", type=int, default=32)
+    parser.add_argument("--sft-limit", type=int, default=64)
     parser.add_argument("--sft-epochs", type=int, default=2)
-    parser.add_argument("--rl-steps", type=int, default=4)
+    parser.add_argument("--rl-steps", type=int, default=3)
+    parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
     if args.quick:
         args.test_questions, args.sft_limit, args.sft_epochs, args.rl_steps = 8, 8, 1, 1
     work = args.work.resolve()
     db, art_dir = work / "demo.db", work / "art"
-    shape = ["--max-turns", "3", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "5"]
+    shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
     train = ["train_email_search_agent.py", "train", "--demo", "--db", str(db), "--art-dir", str(art_dir),
              "--name", "learn", "--keep-checkpoints", "all", "--val-size", "16", *shape,
              "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs)]
@@ -55,7 +56,7 @@ def main() -> None:
     run_dir = art_dir / "email-agent" / "models" / "learn"
     sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", "4",
-                      "--rollouts-per-group", "4", "--eval-every", "1")
+                      "--rollouts-per-group", "4", "--eval-every", "1", "--learning-rate", str(args.rl_learning_rate))
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
                             "--model", "base", "--model", f"learn@{sft_step}", "--model", "learn@latest",
                             "--limit", str(args.test_questions), "--output", str(work / "report"), *shape)

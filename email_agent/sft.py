@@ -30,7 +30,7 @@ there these they this to up was we were what when where which who whom why will 
 time date day price cost much many number name get got set""".split())  # question words emails rarely contain
 
 
-def question_keywords(text: str, limit: int = 3) -> list[str]:
+def question_keywords(text: str, limit: int = 2) -> list[str]:
     """Distinctive words of a question: capitalised names and codes first, then other content words."""
     words = [w.strip("?.,!:;'\"()") for w in text.split()]
     words = [w[:-2] if w.endswith("'s") else w for w in words]

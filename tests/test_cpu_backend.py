@@ -416,6 +416,31 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
     assert step == 2
 
 
+@pytest.mark.slow
+def test_shared_prompt_prefix_gives_the_same_logprobs_for_less_work(served):
+    backend, _ = served
+    conversations = [[SYSTEM, {"role": "user", "content": question}, assistant_call({"keywords": [word]})]
+                     for question, word in [("When is the budget meeting?", "budget"), ("Who is Sally?", "Sally")]]
+    rows = []
+    for messages in conversations:
+        encoded = backend._tokenizer.apply_chat_template(messages, tools=[SEARCH_TOOL], tokenize=True,
+                                                         return_dict=True, return_assistant_tokens_mask=True)
+        targets = torch.tensor([encoded["assistant_masks"][1:] + [0]], dtype=torch.bool)  # t scores t+1
+        rows.append((torch.tensor([encoded["input_ids"]]), targets))
+    prefix = backend._shared_prefix(rows)
+    assert prefix is not None
+    length, _ = prefix
+    first_trained = min(int(targets[0].nonzero()[0]) for _, targets in rows)
+    assert 100 < length <= first_trained  # the tool block and system text, nothing that is trained on
+    assert rows[0][0][0, :length].equal(rows[1][0][0, :length])
+    with torch.no_grad():
+        for tokens, targets in rows:
+            full, _ = backend._target_logprobs(tokens, targets)
+            shared, _ = backend._target_logprobs(tokens, targets, prefix)
+            assert targets.sum() > 5 and torch.allclose(full, shared, atol=1e-4)
+    assert backend._shared_prefix(rows[:1]) is None  # one row: nothing to share
+
+
 # ----------------------------------------------------------------------------------------------
 # Failure and shutdown
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from email_agent.sft import expert_trajectories, question_keywords, sft_source, 
 
 
 def test_question_keywords():
-    assert question_keywords("Where is the Petrel steering committee being held?") == ["Petrel", "steering", "committee"]
+    assert question_keywords("Where is the Petrel steering committee being held?") == ["Petrel", "steering"]
     assert question_keywords("What's the hotel confirmation code for my Glasgow trip?")[0] == "Glasgow"
     assert question_keywords("When is flight BW863 leaving?")[0] == "BW863"
 
@@ -64,3 +64,45 @@ def test_bad_sources_are_clear_errors(demo_db, tmp_path):
         sft_source("no-such-thing", demo_db, [], RolloutConfig())
     with pytest.raises(DataError, match="results.jsonl"):
         asyncio.run(sft_source(str(tmp_path), demo_db, [], RolloutConfig()))
+
+
+@pytest.mark.slow
+def test_tiny_warm_start_teaches_smollm2_to_call_a_tool(demo_db, tmp_path):
+    """SmolLM2-135M alone answers in plain text; a few supervised steps on expert episodes should make it
+    emit a tool call that parses (a known tool, JSON object arguments), sampled with a fixed seed."""
+    import art
+
+    from email_agent.backends.cpu import CPUBackend
+    from email_agent.rollout import Policy, rollout
+    from email_agent.tools import TOOLS
+
+    config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    train = qmod.select_questions(demo_db, "train", seed=0)
+    expert = asyncio.run(expert_trajectories(demo_db, train[:12], config))[:8]
+
+    async def run():
+        backend = CPUBackend(path=str(tmp_path), seed=0)
+        model = art.TrainableModel(name="tiny-sft", project="test", base_model="smollm2", report_metrics=[])
+        try:
+            await model.register(backend)
+            for _ in range(3):  # 3 epochs x 4 batches of 2: 12 optimizer steps
+                await model.train_sft(expert, art.types.TrainSFTConfig(learning_rate=1e-3, batch_size=2))
+            policy = Policy.for_model(model, temperature=1.0, max_tokens=64)
+            one_turn = RolloutConfig(max_turns=1, max_body_chars=600, search_results=3)
+            return [await rollout(policy, q, demo_db, one_turn) for q in train[:4]]
+        finally:
+            await backend.close()
+
+    trajs = asyncio.run(run())
+    names = {t["function"]["name"] for t in TOOLS}
+    parsed = []
+    for traj in trajs:
+        choice = next(m for m in traj.messages_and_choices if not isinstance(m, dict))
+        for call in choice.message.tool_calls or []:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                continue
+            if call.function.name in names and isinstance(arguments, dict):
+                parsed.append((call.function.name, arguments))
+    assert parsed, [t.messages_and_choices[-1] for t in trajs]

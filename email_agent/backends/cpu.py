@@ -49,7 +49,10 @@ from art.utils.output_dirs import get_model_dir, get_step_checkpoint_dir  # noqa
 from art.utils.sft import resolve_sft_batch_size  # noqa: E402
 from openai.types.chat.chat_completion import Choice  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 SMOLLM2_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,6 +129,33 @@ TOOL_CHAT_TEMPLATE = """\
 """
 
 
+def _grouped_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """sdpa, except when decoding one token per row over a padded batch: there transformers copies every
+    key/value head once per query head (`repeat_kv`, as it must with a mask), over half of a decode step
+    with long prompts. Here each key/value head is read once for its whole group of query heads. Longer
+    queries (prefill, training) keep sdpa's fused kernel, which never materialises the attention scores."""
+    if attention_mask is None or query.shape[2] > 1 or key.shape[1] == query.shape[1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, length, dim = query.shape
+    groups, keys = key.shape[1], key.shape[2]
+    per_group = heads // groups  # query head h reads key/value head h // per_group, as repeat_kv does
+    scores = torch.matmul(query.reshape(batch, groups, per_group * length, dim), key.transpose(-1, -2))
+    scores = scores * (scaling if scaling is not None else dim ** -0.5)
+    mask = attention_mask[..., :keys].unsqueeze(2).expand(batch, 1, per_group, length, keys)
+    mask = mask.reshape(batch, 1, per_group * length, keys)
+    # A finite minimum, not -inf: a padding query masked everywhere must not turn into NaN (0 * NaN = NaN).
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    output = torch.matmul(torch.softmax(scores, dim=-1), value)
+    return output.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("cpu_grouped_sdpa", _grouped_query_attention)
+AttentionMaskInterface.register("cpu_grouped_sdpa", sdpa_mask)
+
+
 def load_base_model(base_model: str) -> tuple[Any, Any]:
     """(model, tokenizer) in float32, eval mode, with a tool-capable chat template.
 
@@ -165,6 +195,8 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     _ensure_tool_chat_template(tokenizer)
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation("cpu_grouped_sdpa")
     model.eval()
     return model, tokenizer
 
@@ -806,8 +838,12 @@ class CPUBackend:
         rates = config.learning_rate if isinstance(config.learning_rate, list) else [config.learning_rate] * len(batches)
         if len(rates) < len(batches):
             raise ValueError(f"{len(batches)} SFT batches but only {len(rates)} learning rates")
-        for batch, rate in zip(batches, rates):
-            yield await self._worker.call(self._sft_batch, batch, rate)
+        with tqdm(total=len(trajectories), desc="sft", unit=" traj", file=sys.stderr) as bar:
+            for batch, rate in zip(batches, rates):
+                metrics = await self._worker.call(self._sft_batch, batch, rate)
+                bar.update(len(batch))
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                yield metrics
         await self._worker.call(self._advance_step, True)
 
     async def close(self) -> None:
@@ -949,12 +985,15 @@ class CPUBackend:
         kl = dev_config.get("kl_penalty_coef", 0.0) > 0
         self._prepare_optimizer("rl", learning_rate)
         loss_sum = entropy_sum = 0.0
+        rows = [(packed["tokens"][row:row + 1, :length], targets[row:row + 1, :length])
+                for row, length in enumerate(lengths)]
         with self._training():
+            prefix = self._shared_prefix(rows)
             for row, length in enumerate(lengths):
                 self._check_open()
                 inputs = {key: value[row:row + 1, :length] for key, value in packed.items()
                           if isinstance(value, torch.Tensor)}
-                new_logprobs, entropy = self._target_logprobs(inputs["tokens"], targets[row:row + 1, :length])
+                new_logprobs, entropy = self._target_logprobs(*rows[row], prefix)
                 reference = None
                 if kl:
                     with torch.no_grad(), self._peft.disable_adapter():
@@ -967,12 +1006,39 @@ class CPUBackend:
         return {"loss": loss_sum / total, "grad_norm": grad_norm, "entropy": entropy_sum / total,
                 "trained_tokens": float(sum(lengths)), "assistant_tokens": float(total)}
 
-    def _target_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _shared_prefix(self, rows: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """Keys/values of the tokens every row starts with, ahead of any trained position, computed once
+        without gradient (the prompt's tool block: a third of a short trajectory's tokens).
+
+        Rows then run only their own tokens on top of it. Log-probs are exactly those of the full
+        sequence; the gradient leaves out the path through the shared prompt's own keys/values (a
+        stop-gradient on the tool block), which SFT and GRPO learn without at a fraction of the cost.
+        """
+        starts = [int(targets[0].nonzero()[0]) for _, targets in rows if targets.any()]
+        if len(rows) < 2 or len(starts) < len(rows):
+            return None
+        first, length = rows[0][0][0], min(starts)
+        for tokens, _ in rows[1:]:
+            n = min(length, tokens.shape[1])
+            differ = (tokens[0, :n] != first[:n]).nonzero()
+            length = int(differ[0]) if len(differ) else n
+        if length < 32:
+            return None
+        with torch.no_grad():
+            cache = self._peft(input_ids=first[None, :length], use_cache=True).past_key_values
+        return length, [(k, v) for k, v, _ in cache]
+
+    def _target_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor,
+                         prefix: tuple[int, list] | None = None) -> tuple[torch.Tensor, float]:
         """[1, L] log-probs of token t+1 at each position t where targets is set (0 elsewhere), plus the
         summed entropy there. Logits are computed only at those positions: the 49k-wide LM head is a
-        large part of a small model's cost, and prompts are most of a trajectory."""
+        large part of a small model's cost, and prompts are most of a trajectory. With a `prefix` from
+        `_shared_prefix`, only the tokens after it are run."""
         positions = targets[0].nonzero().squeeze(-1)
-        logits = self._peft(input_ids=tokens, logits_to_keep=positions).logits[0].float()
+        start, past = (0, None) if prefix is None else (prefix[0], DynamicCache(prefix[1]))
+        logits = self._peft(input_ids=tokens[:, start:], past_key_values=past,
+                            logits_to_keep=positions - start).logits[0].float()
         logprobs = torch.log_softmax(logits, -1)
         picked = logprobs.gather(-1, tokens[0, positions + 1].unsqueeze(-1)).squeeze(-1)
         entropy = float(-(logprobs.exp() * logprobs).sum().detach())
@@ -995,9 +1061,10 @@ class CPUBackend:
         self._prepare_optimizer("sft", learning_rate)
         loss_sum = 0.0
         with self._training():
+            prefix = self._shared_prefix(examples)
             for tokens, targets in examples:
                 self._check_open()
-                logprobs, _ = self._target_logprobs(tokens, targets)
+                logprobs, _ = self._target_logprobs(tokens, targets, prefix)
                 loss = -logprobs.sum() / total
                 loss.backward()
                 loss_sum += loss.item()
