@@ -67,9 +67,10 @@ def test_bad_sources_are_clear_errors(demo_db, tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_warm_start_teaches_smollm2_to_call_a_tool(demo_db, tmp_path):
-    """SmolLM2-135M alone answers in plain text; a few supervised steps on expert episodes should make it
-    emit a tool call that parses (a known tool, JSON object arguments), sampled with a fixed seed."""
+def test_tiny_warm_start_raises_expert_logprobs_and_teaches_smollm2_to_call_a_tool(demo_db, tmp_path):
+    """SmolLM2-135M alone answers in plain text. A few supervised steps on expert episodes must raise the
+    log-probability of the expert's assistant tokens and make the model emit a tool call that parses (a
+    known tool, JSON object arguments), sampled with a fixed seed on train questions."""
     import art
 
     from email_agent.backends.cpu import CPUBackend
@@ -85,15 +86,20 @@ def test_tiny_warm_start_teaches_smollm2_to_call_a_tool(demo_db, tmp_path):
         model = art.TrainableModel(name="tiny-sft", project="test", base_model="smollm2", report_metrics=[])
         try:
             await model.register(backend)
-            for _ in range(3):  # 3 epochs x 4 batches of 2: 12 optimizer steps
-                await model.train_sft(expert, art.types.TrainSFTConfig(learning_rate=1e-3, batch_size=2))
+            sft = art.types.TrainSFTConfig(learning_rate=1e-3, batch_size=2)
+            # 3 epochs x 4 batches of 2: 12 optimizer steps. A batch's loss is measured before its update,
+            # so the first epoch's first batch is the untrained model and the last epoch's is the trained one.
+            epochs = [[m async for m in backend._train_sft(model, expert, sft, {})] for _ in range(3)]
             policy = Policy.for_model(model, temperature=1.0, max_tokens=64)
             one_turn = RolloutConfig(max_turns=1, max_body_chars=600, search_results=3)
-            return [await rollout(policy, q, demo_db, one_turn) for q in train[:4]]
+            return epochs, [await rollout(policy, q, demo_db, one_turn) for q in train[:4]]
         finally:
             await backend.close()
 
-    trajs = asyncio.run(run())
+    epochs, trajs = asyncio.run(run())
+    before, after = epochs[0][0], epochs[-1][0]  # mean negative log-prob of the same expert tokens
+    assert before["num_trainable_tokens"] == after["num_trainable_tokens"] > 100
+    assert after["loss"] < 0.5 * before["loss"], (before["loss"], after["loss"])
     names = {t["function"]["name"] for t in TOOLS}
     parsed = []
     for traj in trajs:

@@ -380,7 +380,7 @@ class _PrefixCache:
         self.entries: collections.OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
             collections.OrderedDict()
         self.bytes = 0
-        self.hit_tokens = self.prompt_tokens = 0  # reuse statistics, for the log and the benchmark
+        self.hit_tokens = self.prompt_tokens = 0  # reuse statistics (tests check them)
 
     def clear(self) -> None:
         self.entries.clear()
