@@ -78,7 +78,8 @@ async def open_contestant(spec: str, args, stack: contextlib.AsyncExitStack) -> 
             label, history = f"{run.name}@{int(ckpt.name)}", run / "history.jsonl"
         else:
             ckpt, base_model, label, history = None, args.base_model, f"base:{Path(args.base_model).name}", None
-        base_url = await stack.enter_async_context(serve_checkpoint(base_model, ckpt, label, seed=args.seed, max_batch_size=args.concurrency))
+        base_url = await stack.enter_async_context(
+            serve_checkpoint(base_model, ckpt, label, seed=args.seed, max_batch_size=args.concurrency))
         client = AsyncOpenAI(base_url=base_url, api_key="local", timeout=args.timeout, max_retries=2)
         return Contestant(label, Policy(client, label, **common), None, history)
 
@@ -246,7 +247,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="evaluate the first N questions (after the seeded shuffle)")
     p.add_argument("--single-source", action="store_true", help="only questions with one gold email")
     p.add_argument("--seed", type=int, default=0, help="question order and sampling seed (default 0)")
-    p.add_argument("--concurrency", type=int, default=8, help="simultaneous rollouts per model (default 8)")
+    p.add_argument("--concurrency", type=int, default=8, help="simultaneous rollouts per model, and the CPU server's decoding batch (default 8)")
     p.add_argument("--max-turns", type=int, default=10, help="agent turns per question (default 10)")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens per model reply (default 1024)")
     p.add_argument("--max-body-chars", type=int, default=4000, help="read_email cuts longer bodies (default 4000)")

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import shutil
 import signal
 import sys
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
@@ -212,7 +211,7 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
 
     from email_agent.rollout import rollout
 
-    greedy = dataclasses.replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
+    greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
     trajs = await art.gather_trajectories((rollout(greedy, q, db, rollout_config) for q in questions),
                                           pbar_desc="validate", max_exceptions=len(questions))
     trajs = [t for t in trajs if isinstance(t, art.Trajectory)]

@@ -453,7 +453,6 @@ class Email:
 
 
 @functools.lru_cache(maxsize=1 << 20)  # addresses repeat across a corpus; hashing each once saves ~10% of a build
-@functools.lru_cache(maxsize=1 << 16)  # an address recurs in thousands of emails
 def member_token(address: str) -> str:
     """A single FTS token standing for one address (digits only, so the porter stemmer leaves it alone)."""
     digest = hashlib.blake2b(address.encode("utf-8"), digest_size=8).digest()

@@ -380,7 +380,7 @@ class _PrefixCache:
         self.entries: collections.OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = \
             collections.OrderedDict()
         self.bytes = 0
-        self.hit_tokens = self.prompt_tokens = 0  # reuse statistics (tests check them)
+        self.hit_tokens = 0  # prompt tokens served from the cache so far
 
     def clear(self) -> None:
         self.entries.clear()
@@ -389,7 +389,6 @@ class _PrefixCache:
     def longest(self, ids: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """(n, layers): the first n tokens of `ids` have cached keys/values (n < len(ids): the last
         token is always computed, for its logits)."""
-        self.prompt_tokens += len(ids)
         ids = tuple(ids)
         best, layers, best_key = 0, None, None
         for key, value in self.entries.items():
