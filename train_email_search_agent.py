@@ -36,7 +36,7 @@ DEMO_DB = "data/demo.db"
 # ----------------------------------------------------------------------------------------------
 
 def build_db(args) -> None:
-    from email_agent import data, questions
+    from email_agent import build, data, questions
 
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     total = None
@@ -61,7 +61,7 @@ def build_db(args) -> None:
     if total is None and hasattr(emails, "__len__"):
         total = len(emails)
     print(f"building {db_path} from {source}", file=sys.stderr)
-    summary = data.build_database(emails, question_rows, db_path, source=source, total=total,
+    summary = build.build_database(emails, question_rows, db_path, source=source, total=total,
                                   progress=not args.quiet)
     print("\n".join(summary.lines()))
 
@@ -453,8 +453,16 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def stop_on_sigterm() -> None:
+    """`kill` stops a command the way Ctrl-C does: it unwinds, so nothing is left half-written."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    stop_on_sigterm()
     try:
         args.func(args)
     except DataError as exc:

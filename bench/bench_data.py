@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.data import EmailDB, build_database, fts_query, normalize_email, read_emails  # noqa: E402
+from email_agent.build import build_database  # noqa: E402
+from email_agent.data import EmailDB, fts_query, normalize_email, read_emails  # noqa: E402
 
 SAMPLE = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 

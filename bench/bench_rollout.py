@@ -24,7 +24,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from email_agent.data import EmailDB, build_database, read_emails  # noqa: E402
+from email_agent.build import build_database  # noqa: E402
+from email_agent.data import EmailDB, read_emails  # noqa: E402
 from email_agent.questions import Question  # noqa: E402
 from email_agent.rollout import Policy, RolloutConfig, rollout  # noqa: E402
 from scripted_server import ScriptedServer, call  # noqa: E402

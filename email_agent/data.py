@@ -1,8 +1,8 @@
-"""The email database: where emails come from, the SQLite/FTS5 schema, the build, and read-only access.
+"""The email database: where emails come from, the SQLite/FTS5 schema, and read-only access.
 
 Owns: reading corpora (Hugging Face `corbt/enron-emails`, JSONL(.gz), Parquet, maildir, mbox, the demo
-inbox), normalising records, building the database atomically, and the read-only search/read queries
-the agent's tools run. It does not know about questions' semantics (see `questions`) or the model.
+inbox), normalising records, the schema, and the read-only search/read queries the agent's tools run.
+Building a database from emails and questions is `build`'s (it sits above this module and `questions`).
 
 An *inbox* is every message an address sent or received (to/cc/bcc), as in ART·E. Dates are stored as
 'YYYY-MM-DD HH:MM:SS' in UTC, so string comparison is time comparison.
@@ -19,17 +19,14 @@ import gzip
 import json
 import mailbox as mboxlib
 import os
-import signal
 import sqlite3
-import time
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import quote
 
-from tqdm import tqdm
 
 MAX_SEARCH_RESULTS = 20  # search_inbox clamps max_results to this instead of failing the call
 SNIPPET_TOKENS = 16
@@ -274,156 +271,6 @@ def load_hub_dataset(name: str, split: str | None = None):
 def read_hub_emails(name: str = "corbt/enron-emails"):
     """The ART·E corpus (a `datasets.Dataset`: iterable of records with `from`/`to`/`cc`/`bcc` columns, and a len)."""
     return load_hub_dataset(name, split="train")
-
-
-# ----------------------------------------------------------------------------------------------
-# Build
-# ----------------------------------------------------------------------------------------------
-
-@dataclass
-class BuildSummary:
-    db_path: str
-    emails: int = 0
-    duplicates: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
-    addresses: int = 0
-    first_date: str | None = None
-    last_date: str | None = None
-    questions: dict[str, int] = field(default_factory=dict)  # split -> count
-    questions_missing_gold: int = 0
-    questions_skipped: int = 0
-    seconds: float = 0.0
-    db_bytes: int = 0
-
-    def lines(self) -> list[str]:
-        skipped = sum(self.skipped.values())
-        why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.skipped.items())) or "none"
-        q = ", ".join(f"{n} {split}" for split, n in sorted(self.questions.items())) or "none"
-        return [
-            f"database    {self.db_path} ({self.db_bytes / 1e6:.1f} MB)",
-            f"emails      {self.emails:,} in {self.seconds:.1f}s ({self.emails / max(self.seconds, 1e-9):,.0f}/s)",
-            f"addresses   {self.addresses:,} (an inbox is an address's sent and received mail)",
-            f"dates       {self.first_date} .. {self.last_date} (UTC)",
-            f"duplicates  {self.duplicates:,} dropped (same message_id)",
-            f"skipped     {skipped:,} malformed ({why})",
-            f"questions   {q}; {self.questions_missing_gold:,} cite an email not in the database "
-            f"(kept, excluded from training); {self.questions_skipped:,} malformed skipped",
-        ]
-
-
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: str | os.PathLike, *,
-                   source: str, total: int | None = None, progress: bool = True) -> BuildSummary:
-    """Build the database at db_path from raw email records and raw question records.
-
-    The build writes a temporary file beside db_path and renames it into place only when complete, so an
-    interrupted or failed build never leaves a partial database (an existing one stays untouched).
-    """
-    from .questions import normalize_question  # questions' schema lives there
-
-    db_path = Path(db_path)
-    db_path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in db_path.parent.glob(db_path.name + ".tmp-*"):  # left by a build that was SIGKILLed
-        stale.unlink(missing_ok=True)
-    tmp_path = db_path.with_name(f"{db_path.name}.tmp-{os.getpid()}")
-    summary = BuildSummary(db_path=str(db_path))
-    started = time.perf_counter()
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # so `kill` cleans up too
-    try:
-        conn = sqlite3.connect(tmp_path)
-        try:
-            _fill(conn, emails, questions, summary, source, total, progress, normalize_question)
-        finally:
-            conn.close()
-        os.replace(tmp_path, db_path)
-    finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
-        tmp_path.unlink(missing_ok=True)
-    summary.seconds = time.perf_counter() - started
-    summary.db_bytes = db_path.stat().st_size
-    return summary
-
-
-def _fill(conn, emails, questions, summary, source, total, progress, normalize_question):
-    # The file is private until renamed into place, so durability during the build buys nothing.
-    conn.executescript("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-200000;")
-    conn.executescript(SCHEMA)
-    seen: set[str] = set()
-    email_rows, recipient_rows = [], []
-
-    def flush():
-        conn.executemany("INSERT INTO emails VALUES (?,?,?,?,?,?,?,?)", email_rows)
-        conn.executemany("INSERT INTO recipients VALUES (?,?,?)", recipient_rows)
-        email_rows.clear(), recipient_rows.clear()
-
-    conn.execute("BEGIN")
-    bar = tqdm(emails, total=total, unit=" emails", desc="loading", disable=not progress, mininterval=0.5)
-    for raw in bar:
-        try:
-            if "_error" in raw:
-                raise SkipRecord(raw["_error"])
-            row = normalize_email(raw)
-        except SkipRecord as exc:
-            reason = str(exc).split(" '")[0]  # group "unparseable date 'x'" and "unparseable date 'y'"
-            summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
-            continue
-        if row["message_id"] in seen:
-            summary.duplicates += 1
-            continue
-        seen.add(row["message_id"])
-        email_id = len(seen)
-        members = {row["from_address"]} if row["from_address"] else set()
-        for kind in ("to", "cc", "bcc"):
-            for address in row[kind]:
-                recipient_rows.append((email_id, address, kind))
-                members.add(address)
-        email_rows.append((email_id, row["message_id"], row["date"], row["subject"], row["from_address"],
-                           row["body"], row["file_name"], " ".join(map(member_token, sorted(members)))))
-        if len(email_rows) >= 5000:
-            flush()
-    flush()
-    bar.close()
-    # SQLite sorts faster than Python, and appending in key order is much faster than random inserts.
-    # (OR IGNORE drops a sender who is also a recipient: cheaper than UNION's de-duplication.)
-    conn.execute("INSERT OR IGNORE INTO mailbox SELECT address, email_id FROM ("
-                 "SELECT from_address AS address, id AS email_id FROM emails WHERE from_address != '' "
-                 "UNION ALL SELECT address, email_id FROM recipients) ORDER BY address, email_id")
-    summary.emails = len(seen)
-    if summary.emails == 0:
-        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped).")
-
-    # A 32 MB term buffer (default 1 MB) writes fewer, larger FTS segments, so less merging.
-    conn.execute("INSERT INTO emails_fts(emails_fts, rank) VALUES ('hashsize', 33554432)")
-    steps = [("full-text index", "INSERT INTO emails_fts(emails_fts) VALUES ('rebuild')"), ("indexes", INDEXES)]
-    for name, sql in tqdm(steps, desc="indexing", unit=" step", disable=not progress):
-        conn.executescript(sql) if ";" in sql else conn.execute(sql)
-
-    split_counts: dict[str, int] = {}
-    for raw in questions:
-        try:
-            q = normalize_question(raw)
-        except ValueError:
-            summary.questions_skipped += 1
-            continue
-        gold_in_db = all(m in seen for m in q.message_ids)
-        summary.questions_missing_gold += not gold_in_db
-        split_counts[q.split] = split_counts.get(q.split, 0) + 1
-        conn.execute("INSERT OR REPLACE INTO questions VALUES (?,?,?,?,?,?,?,?,?)",
-                     (q.id, q.question, q.answer, json.dumps(q.message_ids), q.how_realistic,
-                      q.inbox_address, q.query_date, q.split, int(gold_in_db)))
-    summary.questions = split_counts
-
-    summary.addresses = conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
-    summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()
-    meta = {"source": source, "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "emails": str(summary.emails), "duplicates": str(summary.duplicates),
-            "skipped": json.dumps(summary.skipped), "schema_version": "1"}
-    conn.executemany("INSERT INTO meta VALUES (?,?)", sorted(meta.items()))
-    conn.execute("COMMIT")
-    conn.execute("ANALYZE")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import email_agent  # noqa: E402,F401  (offline environment defaults)
-from email_agent import data, demo, questions  # noqa: E402
+from email_agent import build, data, demo, questions  # noqa: E402
 
 ENRON = ROOT.parent / "shared" / "data" / "enron"
 ENRON_EMAILS = ENRON / "emails.jsonl.gz"
@@ -24,7 +24,7 @@ needs_enron = pytest.mark.skipif(
 def demo_db_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("demo") / "demo.db"
     emails, qs = demo.generate(seed=0)
-    data.build_database(emails, qs, path, source="demo", progress=False)
+    build.build_database(emails, qs, path, source="demo", progress=False)
     return path
 
 
@@ -40,7 +40,7 @@ def enron_db_path(tmp_path_factory) -> Path:
     if not ENRON_EMAILS.exists():
         pytest.skip(f"the real Enron sample is not at {ENRON}")
     path = tmp_path_factory.mktemp("enron") / "enron.db"
-    data.build_database(data.read_emails(ENRON_EMAILS), questions.read_questions(ENRON_QUESTIONS), path,
+    build.build_database(data.read_emails(ENRON_EMAILS), questions.read_questions(ENRON_QUESTIONS), path,
                         source="enron sample", progress=False)
     return path
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from conftest import ENRON_EMAILS, ROOT, needs_enron
 from email_agent import data, questions
-from email_agent.data import EmailDB, build_database, normalize_email
+from email_agent.build import build_database
+from email_agent.data import EmailDB, normalize_email
 
 
 def record(i, **over):
@@ -172,7 +173,9 @@ def test_failed_build_keeps_previous_database(tmp_path):
 SLOW_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from email_agent.data import build_database
+import train_email_search_agent as cli
+from email_agent.build import build_database
+cli.stop_on_sigterm()  # as the CLI does: SIGTERM unwinds like Ctrl-C
 def emails():
     for i in range(10**7):
         if i == 2000:
@@ -193,7 +196,7 @@ def test_killed_build_leaves_no_database(tmp_path, sig):
     assert not path.exists()
     leftovers = list(path.parent.iterdir())
     if sig != signal.SIGKILL:
-        assert leftovers == []  # the handler removed the temporary file
+        assert leftovers == []  # the unwinding build removed its temporary file
     build_database([record(1)], [], path, source="t", progress=False)  # the next build sweeps SIGKILL leftovers
     assert list(path.parent.iterdir()) == [path]
 
