@@ -135,3 +135,13 @@ def test_learning_curve_section_with_histories(tmp_path, records):
     assert "| 10 | 0.4 | 0.6 |" in md
     assert "| 5 |" not in md  # train-only rows are not val points
     assert "Learning curve" in page and page.count("<polyline") == 3  # reward: a+b, answer_correct: a
+
+
+def test_mcnemar_exact_matches_the_binomial():
+    from email_agent.report import mcnemar_exact
+
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(5, 5) == 1.0
+    assert mcnemar_exact(6, 0) == pytest.approx(2 / 64)  # all 6 discordant pairs favour A: 2 * 0.5**6
+    assert mcnemar_exact(1, 9) == pytest.approx(2 * 11 / 1024)  # 2 * P(X <= 1), X ~ Bin(10, 1/2)
+    assert mcnemar_exact(9, 1) == mcnemar_exact(1, 9)
