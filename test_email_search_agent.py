@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
-from email_agent import report, rewards
+from email_agent import cli, report, rewards
 from email_agent.data import DataError, EmailDB
 from email_agent.questions import Question, select_questions
 from email_agent.rollout import Policy, RolloutConfig, rollout
@@ -273,6 +273,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    cli.log_to_stderr()
     args.db = args.db or ("data/demo.db" if args.demo else "data/enron_emails.db")
     if not args.model and not args.rejudge:
         print("Error: give at least one --model (or --rejudge DIR).", file=sys.stderr)

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
+from email_agent import cli
 from email_agent.data import DataError, EmailDB
 
 DEFAULT_DB = "data/enron_emails.db"
@@ -453,16 +454,10 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stop_on_sigterm() -> None:
-    """`kill` stops a command the way Ctrl-C does: it unwinds, so nothing is left half-written."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-    signal.signal(signal.SIGTERM, interrupt)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    stop_on_sigterm()
+    cli.log_to_stderr()
+    cli.stop_on_sigterm()
     try:
         args.func(args)
     except DataError as exc:

@@ -13,15 +13,18 @@ Reward modes (`--reward`):
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
+import logging
 import os
 import re
-import sys
 import unicodedata
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import tenacity
+
+log = logging.getLogger(__name__)
 
 REWARD_MODES = ("offline", "shaped", "judge", "ruler")
 IDK = "I don't know"
@@ -148,25 +151,36 @@ class LLMJudge:
         litellm.suppress_debug_info = True  # failures are recorded on the verdict, not printed as banners
         messages = [{"role": "system", "content": JUDGE_PROMPT},
                     {"role": "user", "content": f"Question: {question}\nReference answer: {gold}\nAI answer: {answer}"}]
-        last_error = None
-        for attempt in range(self.retries):
-            try:
-                response = await litellm.acompletion(model=self.model, messages=messages, temperature=0,
-                                                     max_tokens=300, **self.litellm_params())
-                verdict = parse_judge_reply(response.choices[0].message.content or "", self.model)
-                break
-            except Exception as exc:  # network, rate limit, malformed reply: all retried, then recorded
-                last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
-                await asyncio.sleep(min(2 ** attempt, 10))
-        else:
+        retrying = tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(self.retries), reraise=True,
+                                          wait=tenacity.wait_exponential(multiplier=0.5, max=10),
+                                          retry=tenacity.retry_if_exception(is_transient))
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    response = await litellm.acompletion(model=self.model, messages=messages, temperature=0,
+                                                         max_tokens=300, num_retries=0, max_retries=0,
+                                                         **self.litellm_params())
+                    verdict = parse_judge_reply(response.choices[0].message.content or "", self.model)
+        except Exception as exc:  # after retries, or at once when retrying cannot help: recorded, never raised
+            tries = retrying.statistics.get("attempt_number", 1)
             fallback = offline_verdict(answer, gold)
             return Verdict(fallback.correct, "offline", fallback.reasoning,
-                           error=f"judge {self.model} failed after {self.retries} tries ({last_error})")
+                           error=f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
+                                 f"({type(exc).__name__}: {str(exc)[:200]})")
         self._cache[key] = verdict
         if self.cache_path:
             with open(self.cache_path, "a") as f:
                 f.write(json.dumps({"key": key, "verdict": asdict(verdict)}) + "\n")
         return verdict
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth another try: rate limits, timeouts, server and connection errors, and a malformed reply.
+    A bad request, a wrong key or an unknown model (4xx) fails the same way every time."""
+    if isinstance(error, ValueError):  # parse_judge_reply: the judge may answer properly next time
+        return True
+    status = getattr(error, "status_code", None)
+    return isinstance(status, int) and (status in (408, 409, 429) or status >= 500)
 
 
 def parse_judge_reply(text: str, judge: str) -> Verdict:
@@ -200,8 +214,8 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
     if mode in ("judge", "shaped") and judge is None:
         raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), or use --reward offline.")
     if judge is None:
-        print("note: no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
-              "(pass --judge-model for an LLM judge).", file=sys.stderr)
+        log.warning("no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
+                    "(pass --judge-model for an LLM judge).")
     return mode, judge
 
 

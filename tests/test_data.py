@@ -173,9 +173,9 @@ def test_failed_build_keeps_previous_database(tmp_path):
 SLOW_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-import train_email_search_agent as cli
 from email_agent.build import build_database
-cli.stop_on_sigterm()  # as the CLI does: SIGTERM unwinds like Ctrl-C
+from email_agent.cli import stop_on_sigterm
+stop_on_sigterm()  # as the CLI does: SIGTERM unwinds like Ctrl-C
 def emails():
     for i in range(10**7):
         if i == 2000:

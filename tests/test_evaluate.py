@@ -73,6 +73,21 @@ def test_judge_failure_is_recorded_not_silent(demo_db_path, demo_questions, tmp_
     assert record["verdict"]["judge"] == "offline" and record["metrics"]["answer_correct"] == 1  # fallback, flagged
 
 
+@pytest.mark.parametrize("status, requests", [(500, 3), (429, 3), (401, 1), (400, 1)])
+def test_judge_retries_only_transient_errors(status, requests):
+    import asyncio
+
+    from email_agent.rewards import LLMJudge
+
+    with serve_in_thread({"*": [{"status": status}] * 5}) as server:
+        judge = LLMJudge("openai/judge", api_base=server.base_url, retries=3)
+        verdict = asyncio.run(judge.verdict("Which room?", "Room 3C", "Room 3C"))
+        asked = len(server.requests)
+    assert asked == requests  # a bad request or a wrong key fails the same way every time
+    assert verdict.error.startswith(f"judge openai/judge failed after {requests} tr")
+    assert verdict.judge == "offline" and verdict.correct  # the offline matcher decided, and it is flagged
+
+
 def test_bad_model_specs_are_clear_errors(demo_db_path, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     assert run_cli("--db", demo_db_path, "--model", "nonsense", "--output", tmp_path) == 1

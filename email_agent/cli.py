@@ -1,0 +1,39 @@
+"""What the two command-line scripts share: log lines on stderr and SIGTERM handled like Ctrl-C.
+
+Library modules only log (`logging.getLogger(__name__)`) and never touch signals; the scripts call these
+two functions first, so the library stays usable from a notebook or another program as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (pytest and callers may swap it after set-up)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
+def log_to_stderr(level: int = logging.INFO) -> None:
+    """The package's log records as `[module] message` lines on stderr (idempotent)."""
+    package = logging.getLogger("email_agent")
+    package.setLevel(level)
+    if not any(isinstance(h, _StderrHandler) for h in package.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("[%(module)s] %(message)s"))
+        package.addHandler(handler)
+
+
+def stop_on_sigterm() -> None:
+    """`kill` stops a command the way Ctrl-C does: it unwinds, so nothing is left half-written."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
