@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -273,6 +274,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    # The package reports progress (the CPU backend's steps, its server's address) at INFO; libraries only warn.
+    logging.basicConfig(format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("email_agent").setLevel(logging.INFO)
     args.db = args.db or ("data/demo.db" if args.demo else "data/enron_emails.db")
     if not args.model and not args.rejudge:
         print("Error: give at least one --model (or --rejudge DIR).", file=sys.stderr)

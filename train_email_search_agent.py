@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import shutil
 import signal
 import sys
@@ -455,6 +456,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    # The package reports progress (the CPU backend's steps, its server's address) at INFO; libraries only warn.
+    logging.basicConfig(format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("email_agent").setLevel(logging.INFO)
     try:
         args.func(args)
     except DataError as exc:
