@@ -84,10 +84,10 @@ async def sample_trajectories(model, client) -> list[art.TrajectoryGroup]:
 
 def bare_loop(backend, groups) -> tuple[int, float]:
     """Forward+backward over the rows `train` will see: plain HF forward (all logits), no ART loss."""
-    packed, _ = backend._pack(groups, {"scale_rewards": True})
+    packed, _ = backend.trainer.pack(groups, {"scale_rewards": True}, step=0)
     lengths = (packed["input_pos"].max(dim=1).values + 1).tolist()
     targets = shift_tensor(packed["assistant_mask"], False)
-    peft = backend._peft
+    peft = backend.trainer.peft
     torch.set_num_threads(backend.train_threads)
     peft.train()
     started = time.monotonic()
@@ -134,7 +134,7 @@ async def main() -> None:
             groups = await sample_trajectories(model, client)
             print(f"sampled {sum(len(g.trajectories) for g in groups)} tool-using trajectories "
                   f"(2 assistant turns of {SAMPLED_TOKENS} tokens each) in {time.monotonic() - started:.0f}s")
-            bare_tokens, bare_s = await backend._worker.call(bare_loop, backend, groups)
+            bare_tokens, bare_s = await backend.worker.call(bare_loop, backend, groups)
             result = await backend.train(model, groups, learning_rate=1e-5)
             train_rate, bare_rate = result.metrics["tokens_per_s"], bare_tokens / bare_s
 

@@ -10,11 +10,13 @@ import json
 import math
 import socket
 import threading
+import urllib.parse
 
 import pytest
 
-from email_agent.backends.cpu import (TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, _PrefixCache,
-                                      _without_choice_tool_calls, parse_tool_calls, serve_checkpoint)
+from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, parse_tool_calls, serve_checkpoint
+from email_agent.backends.cpu.engine import PrefixCache
+from email_agent.backends.cpu.trainer import without_choice_tool_calls
 
 import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
 import art  # noqa: E402
@@ -228,7 +230,7 @@ def test_concurrent_requests_batch_without_changing_results(loop, served):
 @pytest.mark.slow
 def test_follow_up_turn_reuses_cached_prefix_with_identical_results(loop, served):
     backend, model = served
-    cache = backend._worker.prefix_cache
+    cache = backend.worker.prefix_cache
     first_turn = [SYSTEM, QUESTION]
     follow_up = [SYSTEM, QUESTION, assistant_call('{"keywords": ["budget", "Sally"]}'),
                  {"role": "tool", "tool_call_id": "call_0", "content": '[{"message_id": "<1@x>", "subject": "Budget"}]'}]
@@ -238,7 +240,7 @@ def test_follow_up_turn_reuses_cached_prefix_with_identical_results(loop, served
         reused_before = cache.hit_tokens
         cached = await ask(model, follow_up, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
         reused = cache.hit_tokens - reused_before
-        await backend._worker.call(cache.clear)
+        await backend.worker.call(cache.clear)
         fresh = await ask(model, follow_up, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
         return first, reused, cached, fresh
 
@@ -249,7 +251,7 @@ def test_follow_up_turn_reuses_cached_prefix_with_identical_results(loop, served
 
 
 def test_prefix_cache_keeps_longest_entries_within_its_budget():
-    cache = _PrefixCache(max_bytes=32)  # room for 4 tokens' keys and values (float32, one layer, one dim)
+    cache = PrefixCache(max_bytes=32)  # room for 4 tokens' keys and values (float32, one layer, one dim)
 
     def layers(n):
         return [(torch.full((1, 1, n, 1), float(n)), torch.full((1, 1, n, 1), float(n)))]
@@ -274,17 +276,17 @@ def test_prefix_cache_keeps_longest_entries_within_its_budget():
 
 def completion_logprob(backend, messages, choice) -> float:
     """Sum of log p(sampled tokens | prompt) under the backend's current LoRA, measured directly."""
-    tokenizer = backend._tokenizer
+    tokenizer = backend.trainer.tokenizer
     prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                               add_special_tokens=False)
     completion = [int(t.token.split(":")[1]) for t in choice.logprobs.content]
     with torch.no_grad():
-        logits = backend._peft(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+        logits = backend.trainer.peft(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
     return float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).sum())
 
 
 def lora_weights(backend) -> dict:
-    return {k: v.detach().clone() for k, v in backend._peft.named_parameters() if "lora_" in k}
+    return {k: v.detach().clone() for k, v in backend.trainer.peft.named_parameters() if "lora_" in k}
 
 
 @pytest.mark.slow
@@ -311,7 +313,8 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
         flat = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[*messages, good], reward=0.5)] * 2)
         flat_result = await backend.train(model, [flat], learning_rate=1e-3)
         weights, step = lora_weights(backend), await model.get_step()
-        optimizer = backend._optimizer.state_dict()
+        optimizer = backend.trainer.optimizer.state_dict()
+        # ART's Backend protocol method (model.delete_checkpoints picks the steps from a val metric).
         await backend._delete_checkpoint_files(model, [1, 2])
         await backend.close()
         # The evaluation path: the same checkpoint served on its own answers the same, greedily.
@@ -345,7 +348,7 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
         model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
         await model.register(backend)
         state = lora_weights(backend), await model.get_step(), model.get_inference_name()
-        optimizer_state = backend._optimizer.state_dict()
+        optimizer_state = backend.trainer.optimizer.state_dict()
         await backend.close()
         return (*state, optimizer_state)
 
@@ -361,7 +364,7 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
 @pytest.mark.slow
 def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
     backend, _ = served
-    tokenizer = backend._tokenizer
+    tokenizer = backend.trainer.tokenizer
     call_text = '<tool_call>\n{"name": "search_emails", "arguments": {"keywords": ["budget"]}}\n</tool_call>'
     ids = tokenizer.encode(call_text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     _, calls = parse_tool_calls(call_text)
@@ -381,7 +384,7 @@ def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
     call = '<tool_call>\n{"name": "search_emails"'
     unfixed = next(tokenize_trajectory_groups(tokenizer, [group], False, True))
     assert tokenizer.decode(unfixed.token_ids).count(call) == 2  # ART alone renders the sampled call twice
-    result = next(tokenize_trajectory_groups(tokenizer, [_without_choice_tool_calls(group)], False, True))
+    result = next(tokenize_trajectory_groups(tokenizer, [without_choice_tool_calls(group)], False, True))
     text = tokenizer.decode(result.token_ids)
     assert text.count(call) == 1
     assert text.endswith('</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n[]\n</tool_response><|im_end|>'
@@ -402,17 +405,19 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
         model = art.TrainableModel(name="sft", project="test", base_model="smollm2", report_metrics=[])
         await model.register(backend)
         config = art.TrainSFTConfig(learning_rate=1e-3, batch_size=1)
-        first = [m async for m in backend._train_sft(model, [trajectory], config, {})]
-        second = [m async for m in backend._train_sft(model, [trajectory], config, {})]
+        await model.train_sft([trajectory], config)  # one batch, so the step's logged metrics are that batch's
+        await model.train_sft([trajectory], config)
         step = await model.get_step()
         await backend.close()
-        return first, second, step
+        return step
 
-    first, second, step = loop.run_until_complete(run())
-    tokens = first[0]["num_trainable_tokens"]
+    step = loop.run_until_complete(run())
+    history = (tmp_path / "test" / "models" / "sft" / "history.jsonl").read_text().splitlines()
+    first, second = [row for row in map(json.loads, history) if "train/loss" in row]
+    tokens = first["train/num_trainable_tokens"]
     # The two assistant turns (tool call and answer, each with its <|im_end|>), nothing else.
     assert 25 < tokens < 45, tokens
-    assert second[0]["loss"] < first[0]["loss"]
+    assert second["train/loss"] < first["train/loss"]
     assert step == 2
 
 
@@ -423,11 +428,11 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_for_less_work(served):
                      for question, word in [("When is the budget meeting?", "budget"), ("Who is Sally?", "Sally")]]
     rows = []
     for messages in conversations:
-        encoded = backend._tokenizer.apply_chat_template(messages, tools=[SEARCH_TOOL], tokenize=True,
+        encoded = backend.trainer.tokenizer.apply_chat_template(messages, tools=[SEARCH_TOOL], tokenize=True,
                                                          return_dict=True, return_assistant_tokens_mask=True)
         targets = torch.tensor([encoded["assistant_masks"][1:] + [0]], dtype=torch.bool)  # t scores t+1
         rows.append((torch.tensor([encoded["input_ids"]]), targets))
-    prefix = backend._shared_prefix(rows)
+    prefix = backend.trainer.shared_prefix(rows)
     assert prefix is not None
     length, _ = prefix
     first_trained = min(int(targets[0].nonzero()[0]) for _, targets in rows)
@@ -435,10 +440,10 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_for_less_work(served):
     assert rows[0][0][0, :length].equal(rows[1][0][0, :length])
     with torch.no_grad():
         for tokens, targets in rows:
-            full, _ = backend._target_logprobs(tokens, targets)
-            shared, _ = backend._target_logprobs(tokens, targets, prefix)
+            full, _ = backend.trainer.target_logprobs(tokens, targets)
+            shared, _ = backend.trainer.target_logprobs(tokens, targets, prefix)
             assert targets.sum() > 5 and torch.allclose(full, shared, atol=1e-4)
-    assert backend._shared_prefix(rows[:1]) is None  # one row: nothing to share
+    assert backend.trainer.shared_prefix(rows[:1]) is None  # one row: nothing to share
 
 
 # ----------------------------------------------------------------------------------------------
@@ -486,7 +491,7 @@ def test_close_frees_port_and_threads(loop, tmp_path):
         backend = CPUBackend(path=str(tmp_path))
         model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
         await model.register(backend)
-        port = backend._server.port
+        port = urllib.parse.urlsplit(model.inference_base_url).port
         pending = asyncio.ensure_future(ask(model, [QUESTION], max_tokens=200))
         await asyncio.sleep(1.0)  # mid-generation
         await backend.close()

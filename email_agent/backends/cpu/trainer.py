@@ -1,0 +1,256 @@
+"""The training math: GRPO steps through ART's own tokenizer, packer and loss, and SFT on assistant turns,
+over one peft LoRA model with an AdamW optimizer.
+
+Owns turning trajectories into rows (`Trainer.pack`), the log-probabilities of trained tokens
+(`Trainer.target_logprobs`, with the prompt prefix all rows share computed once: `Trainer.shared_prefix`)
+and one optimizer step per call. It runs on whatever thread calls it (the engine's worker, in practice)
+and knows nothing of serving, checkpoint files or ART's Backend protocol (`backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+
+import torch
+from art import Trajectory, TrajectoryGroup, dev
+from art.loss import loss_fn as art_loss_fn, shift_tensor
+from art.preprocessing.pack import PackedTensors, packed_tensors_from_tokenized_results
+from art.preprocessing.tokenize import tokenize_trajectory_groups
+from art.trajectories import get_messages
+from openai.types.chat.chat_completion import Choice
+from peft import PeftModel
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+Rows = list[tuple[torch.Tensor, torch.Tensor]]  # ([1, L] token ids, [1, L] bool: position t is scored on t+1)
+Prefix = tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]  # (length, per-layer keys/values)
+
+
+def new_optimizer(peft: PeftModel, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the LoRA weights, with ART LocalBackend's betas (the learning rate is set per step)."""
+    params = [p for p in peft.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=5e-6, betas=(0.9, 0.99), weight_decay=weight_decay)
+
+
+def without_choice_tool_calls(group: TrajectoryGroup) -> TrajectoryGroup:
+    """ART's tokenizer swaps a sampled Choice's rendering for its sampled tokens, which already hold the
+    <tool_call> text; the template would render the Choice's tool_calls a second time after them. Without
+    them the training sequence is exactly the token stream the model produced."""
+    def strip(items: list) -> list:
+        return [item.model_copy(update={"message": item.message.model_copy(update={"tool_calls": None})})
+                if isinstance(item, Choice) and item.logprobs is not None and item.message.tool_calls else item
+                for item in items]
+    return TrajectoryGroup([
+        trajectory.model_copy(update={
+            "messages_and_choices": strip(trajectory.messages_and_choices),
+            "additional_histories": [history.model_copy(update={"messages_and_choices": strip(
+                history.messages_and_choices)}) for history in trajectory.additional_histories]})
+        for trajectory in group.trajectories])
+
+
+@contextlib.contextmanager
+def _seeded_global_random(seed: int):
+    """ART's tokenizer and packer shuffle with the global `random`; seed it for them, then restore."""
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
+class Trainer:
+    """GRPO and SFT updates of `peft`, each call one clipped AdamW step.
+
+    Adam moments are reset when the mode changes between "rl" and "sft", as ART does; weight decay applies
+    to RL steps only. LoRA dropout draws from `train_rng` (a torch RNG state, saved in checkpoints), never
+    from the global stream. Training uses `train_threads` intra-op threads, then goes back to one.
+    `closing` aborts a step between rows when the backend shuts down.
+    """
+
+    def __init__(self, peft: PeftModel, tokenizer, optimizer: torch.optim.AdamW, *, seed: int,
+                 train_rng: torch.Tensor, weight_decay: float, max_grad_norm: float, train_threads: int,
+                 closing: threading.Event) -> None:
+        self.peft = peft
+        self.tokenizer = tokenizer
+        self.optimizer = optimizer
+        self.seed = seed
+        self.train_rng = train_rng
+        self.weight_decay = weight_decay
+        self.max_grad_norm = max_grad_norm
+        self.train_threads = train_threads
+        self.closing = closing
+        self._mode: str | None = None
+
+    # -- GRPO ------------------------------------------------------------------------------------
+
+    def pack(self, groups: list[TrajectoryGroup], dev_config: dev.TrainConfig, step: int
+             ) -> tuple[PackedTensors | None, int]:
+        """ART's tokenizer (GRPO advantages, masks, sampled logprobs), then ART's packer with one
+        trajectory per row, so plain causal attention is exact and no padding is computed.
+        Returns (rows, number of trajectories trained on), or (None, 0) when nothing is trainable."""
+        allow = dev_config.get("allow_training_without_logprobs", False)
+        context_length = self.peft.get_base_model().config.max_position_embeddings
+        with _seeded_global_random(self.seed * 1_000_003 + step):
+            results = list(tokenize_trajectory_groups(
+                self.tokenizer, [without_choice_tool_calls(group) for group in groups],
+                allow_training_without_logprobs=allow, scale_rewards=dev_config.get("scale_rewards", True)))
+            too_long = [r for r in results if len(r.token_ids) > context_length]
+            if too_long:
+                logger.warning("dropping %d trajectories longer than the %d-token context", len(too_long),
+                               context_length)
+                results = [r for r in results if len(r.token_ids) <= context_length]
+            if not results:
+                return None, 0
+            packed = packed_tensors_from_tokenized_results(
+                results, max(len(r.token_ids) for r in results), pad_token_id=self.tokenizer.eos_token_id,
+                truncate_long_results=False, advantage_balance=dev_config.get("advantage_balance", 0.0),
+                verbosity=0, pack_results=False)
+        if not allow and torch.isnan(packed["logprobs"]).all():
+            return None, 0  # no Choice with logprobs: nothing ART would train on either
+        return packed, len({id(r.trajectory) for r in results})
+
+    def rl_update(self, packed: PackedTensors, learning_rate: float, dev_config: dev.TrainConfig
+                  ) -> dict[str, float]:
+        """Gradient of ART's loss over all rows, normalised as if they were one packed sequence
+        (sum over trained tokens / their count), then one clipped AdamW step."""
+        lengths = (packed["input_pos"].max(dim=1).values + 1).tolist()
+        targets = shift_tensor(packed["assistant_mask"], False)  # position t is scored on token t+1
+        total = int(targets.sum())
+        kl = dev_config.get("kl_penalty_coef", 0.0) > 0
+        self._prepare_optimizer("rl", learning_rate)
+        loss_sum = entropy_sum = 0.0
+        rows = [(packed["tokens"][row:row + 1, :length], targets[row:row + 1, :length])
+                for row, length in enumerate(lengths)]
+        with self._training():
+            prefix = self.shared_prefix(rows)
+            for row, length in enumerate(lengths):
+                self._check_open()
+                inputs = {key: value[row:row + 1, :length] for key, value in packed.items()
+                          if isinstance(value, torch.Tensor)}
+                new_logprobs, entropy = self.target_logprobs(*rows[row], prefix)
+                reference = None
+                if kl:
+                    with torch.no_grad(), self.peft.disable_adapter():
+                        reference, _ = self.target_logprobs(inputs["tokens"], targets[row:row + 1, :length])
+                loss = art_loss_fn(inputs, new_logprobs, reference, None, dev_config, reduction="sum")
+                (loss.policy_loss / total).backward()
+                loss_sum += loss.policy_loss.item()
+                entropy_sum += entropy
+            grad_norm = self._optimizer_step(self.max_grad_norm)
+        return {"loss": loss_sum / total, "grad_norm": grad_norm, "entropy": entropy_sum / total,
+                "trained_tokens": float(sum(lengths)), "assistant_tokens": float(total)}
+
+    # -- log-probabilities -------------------------------------------------------------------------
+
+    def shared_prefix(self, rows: Rows) -> Prefix | None:
+        """Keys/values of the tokens every row starts with, ahead of any trained position, computed once
+        without gradient (the prompt's tool block: a third of a short trajectory's tokens).
+
+        Rows then run only their own tokens on top of it. Log-probs are exactly those of the full
+        sequence; the gradient leaves out the path through the shared prompt's own keys/values (a
+        stop-gradient on the tool block), which SFT and GRPO learn without at a fraction of the cost.
+        """
+        starts = [int(targets[0].nonzero()[0]) for _, targets in rows if targets.any()]
+        if len(rows) < 2 or len(starts) < len(rows):
+            return None
+        first, length = rows[0][0][0], min(starts)
+        for tokens, _ in rows[1:]:
+            n = min(length, tokens.shape[1])
+            differ = (tokens[0, :n] != first[:n]).nonzero()
+            length = int(differ[0]) if len(differ) else n
+        if length < 32:
+            return None
+        with torch.no_grad():
+            cache = self.peft(input_ids=first[None, :length], use_cache=True).past_key_values
+        return length, [(k, v) for k, v, _ in cache]
+
+    def target_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor, prefix: Prefix | None = None
+                        ) -> tuple[torch.Tensor, float]:
+        """[1, L] log-probs of token t+1 at each position t where targets is set (0 elsewhere), plus the
+        summed entropy there. Logits are computed only at those positions: the 49k-wide LM head is a
+        large part of a small model's cost, and prompts are most of a trajectory. With a `prefix` from
+        `shared_prefix`, only the tokens after it are run."""
+        positions = targets[0].nonzero().squeeze(-1)
+        start, past = (0, None) if prefix is None else (prefix[0], DynamicCache(prefix[1]))
+        logits = self.peft(input_ids=tokens[:, start:], past_key_values=past,
+                           logits_to_keep=positions - start).logits[0].float()
+        logprobs = torch.log_softmax(logits, -1)
+        picked = logprobs.gather(-1, tokens[0, positions + 1].unsqueeze(-1)).squeeze(-1)
+        entropy = float(-(logprobs.exp() * logprobs).sum().detach())
+        return torch.zeros(tokens.shape[1]).index_put((positions,), picked).unsqueeze(0), entropy
+
+    # -- SFT ---------------------------------------------------------------------------------------
+
+    def sft_batch(self, trajectories: list[Trajectory], learning_rate: float) -> dict[str, float]:
+        """Mean negative log-likelihood of the assistant tokens (the template's {% generation %} spans),
+        then one AdamW step with gradients clipped to norm 1."""
+        started = time.monotonic()
+        examples = []
+        for trajectory in trajectories:
+            encoded = self.tokenizer.apply_chat_template(
+                get_messages(trajectory.messages_and_choices), tools=trajectory.tools, tokenize=True,
+                return_dict=True, return_assistant_tokens_mask=True)
+            tokens = torch.tensor([encoded["input_ids"]])
+            targets = shift_tensor(torch.tensor([encoded["assistant_masks"]], dtype=torch.bool), False)
+            if targets.any():
+                examples.append((tokens, targets))
+        if trajectories and not examples and "generation" not in str(self.tokenizer.chat_template):
+            raise ValueError("SFT needs {% generation %} markers in the chat template to find assistant tokens.")
+        total = sum(int(targets.sum()) for _, targets in examples)
+        self._prepare_optimizer("sft", learning_rate)
+        loss_sum = 0.0
+        with self._training():
+            prefix = self.shared_prefix(examples)
+            for tokens, targets in examples:
+                self._check_open()
+                logprobs, _ = self.target_logprobs(tokens, targets, prefix)
+                loss = -logprobs.sum() / total
+                loss.backward()
+                loss_sum += loss.item()
+            grad_norm = self._optimizer_step(1.0) if examples else 0.0
+        num_tokens = sum(tokens.shape[1] for tokens, _ in examples)
+        return {"loss": loss_sum, "learning_rate": learning_rate, "grad_norm": grad_norm,
+                "num_trajectories": float(len(examples)), "num_tokens": float(num_tokens),
+                "num_trainable_tokens": float(total), "tokens_per_s": num_tokens / (time.monotonic() - started)}
+
+    # -- the optimizer step ------------------------------------------------------------------------
+
+    def _prepare_optimizer(self, mode: str, learning_rate: float) -> None:
+        if self._mode not in (None, mode):
+            self.optimizer.state.clear()
+        self._mode = mode
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+            group["weight_decay"] = self.weight_decay if mode == "rl" else 0.0
+
+    @contextlib.contextmanager
+    def _training(self):
+        """Train mode (LoRA dropout) on the trainer's own RNG stream (restored on resume), all train threads."""
+        self.optimizer.zero_grad(set_to_none=True)  # nothing left over from an aborted step
+        self.peft.train()
+        torch.set_num_threads(self.train_threads)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(self.train_rng)
+                yield
+                self.train_rng = torch.get_rng_state()
+        finally:
+            torch.set_num_threads(1)
+            self.peft.eval()
+
+    def _optimizer_step(self, max_grad_norm: float) -> float:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _check_open(self) -> None:
+        if self.closing.is_set():
+            raise RuntimeError("the CPU backend was closed during training")
