@@ -155,7 +155,7 @@ class Verdict:
 
 
 def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pending: bool = False) -> Verdict:
-    """Would training on groups like these learn? The first failing check, most fundamental first, decides."""
+    """Would training on groups like these learn? Every failing check is listed, the most fundamental first."""
     if warm_start_pending:
         warm = f"run the warm start first (the same command with --sft-only; --sft-from {sft_from} has not run yet)"
     elif sft_from:
@@ -164,19 +164,20 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
         warm = ("warm-start it first: --sft-from demo-expert on the demo inbox, or --sft-from EVAL_DIR with a "
                 "teacher model's evaluation")
     judge_flags = "--ruler-model" if reward_mode == "ruler" else "--judge-model"
-    failures = []
     if not h.rollouts:
-        failures.append("cannot learn: every rollout failed; check that the policy's server is up and the model name is right.")
-    elif h.assistant_turns and h.turns_without_logprobs == 1.0:
+        return Verdict(False, "cannot learn: every rollout failed; check that the policy's server is up and the "
+                              "model name is right.")
+    failures = []  # all are shown; the first is the headline
+    if h.assistant_turns and h.turns_without_logprobs == 1.0:
         failures.append("cannot learn: no assistant turn has logprobs, which GRPO trains on; serve the policy with "
                         "logprobs (ART's backends and the CPU backend do).")
-    elif h.judge_error_share >= MAX_JUDGE_ERROR_SHARE:
+    if h.judge_error_share >= MAX_JUDGE_ERROR_SHARE:
         what = "RULER" if h.ruler_errors else "the judge"
         failures.append(f"cannot learn: {what} failed on {h.judge_error_share:.0%} of its calls ({h.first_error}); "
                         f"check {judge_flags}, --judge-base-url and JUDGE_API_KEY.")
-    elif h.valid_call_rate == 0.0:
+    if h.valid_call_rate == 0.0:
         failures.append(f"cannot learn: no valid tool calls; {warm}.")
-    elif h.trainable_share < MIN_TRAINABLE_SHARE:
+    elif h.trainable_share < MIN_TRAINABLE_SHARE and h.ruler_errors < h.groups:
         if reward_mode == "judge":
             fix = "use --reward shaped, whose partial credit separates rollouts the binary judge scores alike"
         elif h.correct == 0.0:
@@ -194,7 +195,7 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
     if not failures and h.trainable_share < WARN_TRAINABLE_SHARE:
         warnings.append(f"only {h.trainable_share:.0%} of groups have reward variance; steps will learn slowly")
     if failures:
-        return Verdict(False, failures[0], warnings)
+        return Verdict(False, failures[0], failures[1:] + warnings)
     return Verdict(True, f"can learn: {h.trainable_groups} of {h.groups} groups have reward variance.", warnings)
 
 
@@ -206,7 +207,8 @@ def report(h: Health, verdict: Verdict, groups_per_step: int, rollouts_per_group
     lines = [
         f"preflight: {h.groups} groups x {rollouts_per_group} rollouts",
         f"  trainable groups     {h.trainable_groups}/{h.groups} ({h.trainable_share:.0%}) have reward variance",
-        f"  reward               mean {h.mean_reward:+.3f}, spread within groups {h.reward_spread:.3f}",
+        (f"  reward               mean {h.mean_reward:+.3f}, spread within groups {h.reward_spread:.3f}"
+         if h.ruler_errors < h.groups else "  reward               none: no group was scored"),
         f"  valid tool calls     {h.valid_call_rate:.0%} of calls and call-less turns",
         f"  answers              {h.answered:.0%} answered ({h.correct:.0%} correct, {h.hallucinated:.0%} hallucinated), "
         f"{h.i_dont_know:.0%} I don't know, {h.no_answer:.0%} none",

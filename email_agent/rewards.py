@@ -246,8 +246,10 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
     (metrics ruler_error=1, metadata ruler_error=message) with equal rewards of 0, so GRPO trains nothing on
     it and the train loop counts it as a judge error instead of a silent 0.
     """
+    import litellm
     from art.rewards.ruler import ruler
 
+    litellm.suppress_debug_info = True  # failures are recorded on the trajectories, not printed as banners
     trajectories = group.trajectories
     expected = [str(i) for i in range(1, len(trajectories) + 1)]  # the ids RULER's prompt gives them
     error = ""
