@@ -131,7 +131,7 @@ class TrainConfig:
     project: str = "email-agent"  # ART project (also the W&B project)
     art_dir: str = ".art"  # where runs live
     fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
-    preflight: bool = False  # gather one step's groups, print whether GRPO could learn from them, exit (1 if not); trains nothing
+    preflight: bool = False  # gather one step's groups, say whether GRPO can learn from them, exit 1 if not; no training
     seed: int = 0  # one seed for question order, sampling and LoRA init
     backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
     base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
@@ -301,7 +301,8 @@ async def train(cfg: TrainConfig) -> None:
     rollout_config = RolloutConfig(max_turns=cfg.max_turns, max_body_chars=cfg.max_body_chars,
                                    search_results=cfg.search_results, reward=reward_mode, judge=judge)
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
-        raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; preflight without --fresh, or under another --name.")
+        raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
+                        "preflight without --fresh, or under another --name.")
     prepare_run(cfg, backend_name)
 
     model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
@@ -323,7 +324,7 @@ async def train(cfg: TrainConfig) -> None:
             if val_questions:
                 step = await model.get_step()
                 print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
-        if cfg.sft_only:
+        if cfg.sft_only and not cfg.preflight:
             return
         after_each = None
         if reward_mode == "ruler":

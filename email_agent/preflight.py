@@ -159,7 +159,8 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
     if warm_start_pending:
         warm = f"run the warm start first (the same command with --sft-only; --sft-from {sft_from} has not run yet)"
     elif sft_from:
-        warm = "warm-start longer (more --sft-epochs or --sft-limit) or from a stronger teacher's evaluation (--sft-from DIR)"
+        warm = ("warm-start longer (more --sft-epochs or --sft-limit) or from a stronger teacher's evaluation "
+                "(--sft-from DIR)")
     else:
         warm = ("warm-start it first: --sft-from demo-expert on the demo inbox, or --sft-from EVAL_DIR with a "
                 "teacher model's evaluation")
