@@ -70,7 +70,7 @@ def judge(group_trajs, replies, use_art=False):
 
 
 def test_scores_are_matched_by_id_not_position(group):
-    reply = scores((3, 0.1), (1, 0.9), (2, 0.4))  # the judge lists trajectory 3 first
+    reply = scores((3, 0.1), ("trajectory 1", 0.9), (2, 0.4))  # the judge lists trajectory 3 first
     scored, server = judge(group, [reply])
     assert [t.reward for t in scored.trajectories] == [0.9, 0.4, 0.1]
     assert [t.metrics["ruler_score"] for t in scored.trajectories] == [0.9, 0.4, 0.1]
