@@ -115,12 +115,15 @@ def _std(values: list[float]) -> float:
 def step_metrics(h: Health, groups: list[TrajectoryGroup], train_metrics: dict) -> dict[str, float]:
     """What the step trained on, for the step line and history.jsonl (logged as train/<key>).
 
-    The CPU backend reports `trained_tokens`; for backends that don't (ART's LocalBackend) the share is
-    estimated from the groups: completion tokens of trainable groups' turns that carry logprobs.
+    The CPU backend reports what it trained (`num_trainable` trajectories, `assistant_tokens`, and 0
+    `trained_tokens` when it skipped the update); for what a backend does not report (ART's LocalBackend)
+    the share is estimated from the groups: completion tokens of trainable groups, less turns without logprobs.
     """
     completion = sum(t.metrics.get("completion_tokens", 0) for g in groups for t in g.trajectories)
-    if "trained_tokens" in train_metrics:
-        trained = min(train_metrics["trained_tokens"] / completion, 1.0) if completion else 0.0
+    if train_metrics.get("num_trainable") == 0 or train_metrics.get("trained_tokens") == 0:
+        trained = 0.0
+    elif "assistant_tokens" in train_metrics:  # tokenized, so it may differ a little from the usage counts
+        trained = min(train_metrics["assistant_tokens"] / completion, 1.0) if completion else 0.0
     else:
         usable = sum(t.metrics.get("completion_tokens", 0) for g in groups
                      if _has_variance(g) and not _ruler_failed(g) for t in g.trajectories)

@@ -105,10 +105,12 @@ def test_step_metrics(demo_db, qs):
     h = preflight.measure(groups)
     completion = sum(t.metrics["completion_tokens"] for g in groups for t in g.trajectories)
     # the CPU backend reports what it trained on
-    m = preflight.step_metrics(h, groups, {"num_trainable": 4.0, "num_trajectories": 8.0, "trained_tokens": 40.0})
+    cpu = {"num_trainable": 2.0, "num_trajectories": 8.0, "trained_tokens": 900.0, "assistant_tokens": 40.0}
+    m = preflight.step_metrics(h, groups, cpu)
     assert m == {"trainable_group_share": 0.5, "trained_token_share": pytest.approx(40 / completion),
                  "ruler_errors": 0.0, "judge_errors": 0.0}
-    assert preflight.step_metrics(h, groups, {"trained_tokens": 0.0})["trained_token_share"] == 0.0
+    skipped = {"num_trainable": 0.0, "num_trajectories": 8.0, "trained_tokens": 0.0}
+    assert preflight.step_metrics(h, groups, skipped)["trained_token_share"] == 0.0
     # ART's LocalBackend does not: estimated from the trainable groups' tokens
     expected = sum(t.metrics["completion_tokens"] for g in groups[:2] for t in g.trajectories) / completion
     assert preflight.step_metrics(h, groups, {"loss": 0.1})["trained_token_share"] == pytest.approx(expected)
