@@ -251,6 +251,8 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
 
     litellm.suppress_debug_info = True  # failures are recorded on the trajectories, not printed as banners
     trajectories = group.trajectories
+    if not trajectories:
+        return group
     expected = [str(i) for i in range(1, len(trajectories) + 1)]  # the ids RULER's prompt gives them
     error = ""
     for _ in range(attempts):
