@@ -132,6 +132,7 @@ class TrainConfig:
     project: str = "email-agent"  # ART project (also the W&B project)
     art_dir: str = ".art"  # where runs live
     fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
+    preflight: bool = False  # gather one step's groups, say whether GRPO can learn from them, exit 1 if not; no training
     seed: int = 0  # one seed for question order, sampling and LoRA init
     backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
     base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
@@ -260,20 +261,24 @@ async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_confi
               flush=True)
 
 
-def print_row(step, groups, result, seconds) -> None:
+def print_row(step, groups, result, seconds, health) -> None:
     trajs = [t for g in groups for t in g.trajectories]
     mean = lambda key: sum(t.metrics[key] for t in trajs) / max(len(trajs), 1)  # noqa: E731
+    learned = (f"learned from {health['trainable_group_share']:.0%} of groups, {health['trained_token_share']:.0%} "
+               f"of tokens" if health["trained_token_share"] > 0 else "LEARNED NOTHING")
+    errors = "".join(f"  {label} {health[key]:.0f}" for key, label in
+                     (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors")) if health[key])
     print(f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
           f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
           f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
           f"tokens {mean('completion_tokens'):.0f}  loss {result.metrics.get('loss', float('nan')):+.4f}  "
-          f"{seconds:.0f}s", flush=True)
+          f"{learned}{errors}  {seconds:.0f}s", flush=True)
 
 
 async def train(cfg: TrainConfig) -> None:
     import art
 
-    from email_agent import backends, rewards
+    from email_agent import backends, preflight, rewards
     from email_agent.questions import select_questions
     from email_agent.rollout import Policy, RolloutConfig, rollout
 
@@ -296,6 +301,9 @@ async def train(cfg: TrainConfig) -> None:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
     rollout_config = RolloutConfig(max_turns=cfg.max_turns, max_body_chars=cfg.max_body_chars,
                                    search_results=cfg.search_results, reward=reward_mode, judge=judge)
+    if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
+        raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
+                        "preflight without --fresh, or under another --name.")
     prepare_run(cfg, backend_name)
 
     model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
@@ -309,38 +317,60 @@ async def train(cfg: TrainConfig) -> None:
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   max_concurrency=cfg.concurrency)
         state = model.read_state() or {}
-        if cfg.sft_from and not state.get("sft_done"):
+        warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
+        if warm_start_pending and not cfg.preflight:  # the preflight judges the policy as it is now
             await warm_start(cfg, model, db, train_questions, rollout_config)
             state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
             policy.model = model.get_inference_name()
             if val_questions:
                 step = await model.get_step()
                 print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
-        if cfg.sft_only:
+        if cfg.sft_only and not cfg.preflight:
             return
         after_each = None
         if reward_mode == "ruler":
-            params = {"api_base": cfg.judge_base_url} if cfg.judge_base_url else None
+            params = {"api_base": cfg.judge_base_url, "api_key": "none"} if cfg.judge_base_url else None
             after_each = lambda group: rewards.ruler_group(group, ruler_model, params)  # noqa: E731
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data.
         sft_steps = state.get("sft_steps", 0)
         rl_step = await model.get_step() - sft_steps
+        idle_steps = 0  # steps in a row that trained on nothing
         for batch in art.utils.iterate_dataset(train_questions, groups_per_step=cfg.groups_per_step,
                                                num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False):
-            if cfg.max_steps and batch.step >= cfg.max_steps:
+            if cfg.max_steps and batch.step >= cfg.max_steps and not cfg.preflight:
                 break
             step = batch.step + sft_steps
-            if batch.step % cfg.eval_every == 0 and val_questions and not (batch.step == 0 and sft_steps):
+            if (batch.step % cfg.eval_every == 0 and val_questions and not (batch.step == 0 and sft_steps)
+                    and not cfg.preflight):
                 print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
             started = time.perf_counter()
             groups = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(policy, q, db, rollout_config) for _ in range(cfg.rollouts_per_group))
                  for q in batch.items),
                 pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4, after_each=after_each)
+            health = preflight.measure(groups, time.perf_counter() - started)
+            if cfg.preflight or batch.step == 0:  # a fresh run says at once whether it can learn
+                verdict = preflight.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
+                                             warm_start_pending=warm_start_pending and cfg.preflight)
+                print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group,
+                                                 cfg.concurrency)), flush=True)
+                if cfg.preflight:  # nothing trained, logged or checkpointed
+                    if not verdict.ok:
+                        raise DataError(verdict.headline)
+                    print(f"preflight: {verdict.headline}")
+                    return
+                print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
             result = await backend.train(model, groups, learning_rate=cfg.learning_rate)
-            await model.log(groups, split="train", metrics=result.metrics, step=result.step)
+            learned = preflight.step_metrics(health, groups, result.metrics)
+            await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
-            print_row(result.step, groups, result, time.perf_counter() - started)
+            print_row(result.step, groups, result, time.perf_counter() - started, learned)
+            idle_steps = 0 if learned["trained_token_share"] else idle_steps + 1
+            if idle_steps >= preflight.IDLE_STEPS_WARNING:
+                print(f"warning: {idle_steps} steps in a row trained on nothing: {preflight.idle_cause(health)}",
+                      file=sys.stderr, flush=True)
+        if cfg.preflight:
+            raise DataError(f"--preflight: run {cfg.name!r} has no steps left to check (its epochs are done).")
         step = await model.get_step()
         if val_questions:
             print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")

@@ -8,7 +8,7 @@ Reward modes (`--reward`):
   offline  shaped formula, verdict from the offline matcher (no network; the default with no judge)
   shaped   shaped formula, verdict from the LLM judge (the default when a judge model is configured)
   judge    1 if the LLM judge accepts the answer, else 0
-  ruler    RULER ranks each group's trajectories with a judge model (art.rewards.ruler_score_group)
+  ruler    RULER ranks each group's trajectories with a judge model (ART's RULER; scores checked by id)
 """
 
 from __future__ import annotations
@@ -250,9 +250,50 @@ def reward(mode: str, r: Rubric, max_turns: int, num_sources: int) -> float:
     return shaped_reward(r, max_turns, num_sources)
 
 
-async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None = None):
-    """RULER over one group (for `gather_trajectory_groups(after_each=...)`); a failed call drops the group."""
-    from art.rewards import ruler_score_group
+async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None = None, attempts: int = 2):
+    """RULER over one group (for `gather_trajectory_groups(after_each=...)`), with the scores checked.
 
-    return await ruler_score_group(group, judge_model, extra_litellm_params=extra_litellm_params,
-                                   swallow_exceptions=True)
+    ART 0.5.18's `ruler_score_group` pairs the judge's scores with trajectories by position, so a judge that
+    reorders or drops entries gives rewards to the wrong rollouts without a word. Here the scores are
+    re-keyed by the trajectory ids the judge returns, and a reply that fails (an API error, no or
+    incomplete scores, unknown ids) is retried; after `attempts` tries the group is kept but marked
+    (metrics ruler_error=1, metadata ruler_error=message) with equal rewards of 0, so GRPO trains nothing on
+    it and the train loop counts it as a judge error instead of a silent 0.
+    """
+    import litellm
+    from art.rewards.ruler import ruler
+
+    litellm.suppress_debug_info = True  # failures are recorded on the trajectories, not printed as banners
+    trajectories = group.trajectories
+    if not trajectories:
+        return group
+    expected = [str(i) for i in range(1, len(trajectories) + 1)]  # the ids RULER's prompt gives them
+    error = ""
+    for _ in range(attempts):
+        try:
+            scores = await ruler([t.messages() for t in trajectories], judge_model,
+                                 extra_litellm_params=extra_litellm_params, tools=trajectories[0].tools)
+            by_id = {_trajectory_id(s.trajectory_id): s for s in scores}
+            if set(by_id) != set(expected) or len(scores) != len(expected):
+                raise ValueError(f"judge scored trajectories {[s.trajectory_id for s in scores]}, "
+                                 f"not each of {expected} once")
+            break
+        except Exception as exc:  # network, malformed or incomplete reply: retried, then recorded
+            error = f"RULER judge {judge_model}: {type(exc).__name__}: {str(exc)[:200]}"
+    else:
+        for t in trajectories:
+            t.metrics.update(independent_reward=t.reward, ruler_error=1)
+            t.metadata["ruler_error"] = error
+            t.reward = 0.0
+        return group
+    for key, t in zip(expected, trajectories):
+        t.metrics.update(independent_reward=t.reward, ruler_score=by_id[key].score, ruler_error=0)
+        t.reward = by_id[key].score
+        t.log(f"RULER explanation: {by_id[key].explanation}")
+    return group
+
+
+def _trajectory_id(text: str) -> str:
+    """RULER's id as the judge wrote it ("2", "trajectory 2", "#2") -> "2"."""
+    digits = re.findall(r"\d+", str(text))
+    return digits[0] if len(digits) == 1 else str(text)

@@ -1,0 +1,225 @@
+"""Training health: can GRPO learn anything from a step's groups, and did it?
+
+Owns: pure functions from trajectory groups (and a backend's train metrics) to health numbers, a verdict
+on whether training would learn (with the likely fix, in one sentence) and the text the train command
+prints. GRPO learns only from groups whose rollouts got different rewards and whose assistant turns carry
+logprobs; everything else trains on nothing without failing, which is why this module exists.
+It never calls the model, the judge or a backend: the train loop gathers, this module reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from art.trajectories import TrajectoryGroup
+from openai.types.chat.chat_completion import Choice
+
+# A run below these lines learns nothing or little; warnings below `WARN_*` are printed but do not fail.
+MIN_TRAINABLE_SHARE = 0.25  # share of groups with reward variance
+MAX_JUDGE_ERROR_SHARE = 0.5  # share of judged answers (or RULER groups) the judge failed on
+WARN_TRAINABLE_SHARE = 0.5
+IDLE_STEPS_WARNING = 3  # this many steps in a row that trained on nothing print a warning
+
+
+@dataclass
+class Health:
+    """What one step's groups offer GRPO. Shares are of rollouts unless named otherwise."""
+
+    groups: int = 0
+    trainable_groups: int = 0  # reward variance and scored: GRPO learns from these
+    ruler_errors: int = 0  # groups RULER could not score (left untrained)
+    rollouts: int = 0
+    mean_reward: float = 0.0  # over rollouts of scored groups
+    reward_spread: float = 0.0  # mean within-group standard deviation: what GRPO's advantages are made of
+    valid_call_rate: float = 0.0  # valid tool calls / (tool calls + turns that made no call)
+    answered: float = 0.0  # gave an answer other than "I don't know"
+    correct: float = 0.0
+    i_dont_know: float = 0.0
+    hallucinated: float = 0.0  # answered and wrong
+    no_answer: float = 0.0  # ran out of turns or failed before answering
+    assistant_turns: int = 0
+    turns_without_logprobs: float = 0.0  # share of assistant turns
+    judged: int = 0  # answers an LLM judge graded
+    judge_errors: int = 0  # answers the judge failed on (the offline matcher decided instead)
+    api_errors: int = 0  # rollouts the policy's API ended
+    first_error: str = ""  # one judge/RULER error message, to show the user
+    rollout_s: float = 0.0  # mean seconds one rollout spent waiting for the policy and in tools
+    gather_s: float = 0.0  # wall-clock seconds to gather the step's groups
+
+    @property
+    def trainable_share(self) -> float:
+        return self.trainable_groups / self.groups if self.groups else 0.0
+
+    @property
+    def judge_error_share(self) -> float:
+        shares = [self.judge_errors / self.judged if self.judged else 0.0,
+                  self.ruler_errors / self.groups if self.groups else 0.0]
+        return max(shares)
+
+
+def _ruler_failed(group: TrajectoryGroup) -> bool:
+    return any(t.metrics.get("ruler_error") for t in group.trajectories)
+
+
+def _has_variance(group: TrajectoryGroup) -> bool:
+    rewards = [t.reward for t in group.trajectories]
+    return len(rewards) > 1 and max(rewards) - min(rewards) > 1e-9
+
+
+def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0) -> Health:
+    """Health numbers of one step's groups (as `gather_trajectory_groups` returns them)."""
+    trajs = [t for g in groups for t in g.trajectories]
+    h = Health(groups=len(groups), rollouts=len(trajs), gather_s=gather_s)
+    if not trajs:
+        return h
+    scored = [g for g in groups if not _ruler_failed(g)]
+    h.ruler_errors = len(groups) - len(scored)
+    h.trainable_groups = sum(_has_variance(g) for g in scored)
+    rewards = [t.reward for g in scored for t in g.trajectories]
+    h.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+    spreads = [_std([t.reward for t in g.trajectories]) for g in scored]
+    h.reward_spread = sum(spreads) / len(spreads) if spreads else 0.0
+    total = lambda key: sum(t.metrics.get(key, 0) for t in trajs)  # noqa: E731
+    attempts = total("tool_calls") + total("parse_errors")
+    h.valid_call_rate = total("valid_tool_calls") / attempts if attempts else 0.0
+    h.answered = total("attempted_answer") / len(trajs)
+    h.correct = total("answer_correct") / len(trajs)
+    h.i_dont_know = total("returned_i_dont_know") / len(trajs)
+    h.hallucinated = total("hallucinated") / len(trajs)
+    h.no_answer = 1.0 - h.answered - h.i_dont_know
+    choices = [item for t in trajs for item in t.messages_and_choices if isinstance(item, Choice)]
+    h.assistant_turns = len(choices)
+    h.turns_without_logprobs = (sum(not (c.logprobs and c.logprobs.content) for c in choices) / len(choices)
+                                if choices else 0.0)
+    h.judged = sum(1 for t in trajs if t.metrics.get("attempted_answer")
+                   and t.metadata.get("verdict_judge") not in (None, "offline", "rule"))
+    h.judged += total("judge_error")  # a failed judge leaves verdict_judge "offline"
+    h.judge_errors = total("judge_error")
+    h.api_errors = total("api_errors")
+    errors = [t.metadata.get("ruler_error") or t.metadata.get("verdict_error") for t in trajs]
+    h.first_error = next((e for e in errors if e), "")
+    h.rollout_s = sum(t.metrics.get("latency_s", 0.0) + t.metrics.get("env_s", 0.0) for t in trajs) / len(trajs)
+    return h
+
+
+def _std(values: list[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) if values else 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# After a training step: did it learn?
+# ----------------------------------------------------------------------------------------------
+
+def step_metrics(h: Health, groups: list[TrajectoryGroup], train_metrics: dict) -> dict[str, float]:
+    """What the step trained on, for the step line and history.jsonl (logged as train/<key>).
+
+    The CPU backend reports what it trained (`num_trainable` trajectories, `assistant_tokens`, and 0
+    `trained_tokens` when it skipped the update); for what a backend does not report (ART's LocalBackend)
+    the share is estimated from the groups: completion tokens of trainable groups, less turns without logprobs.
+    """
+    completion = sum(t.metrics.get("completion_tokens", 0) for g in groups for t in g.trajectories)
+    if train_metrics.get("num_trainable") == 0 or train_metrics.get("trained_tokens") == 0:
+        trained = 0.0
+    elif "assistant_tokens" in train_metrics:  # tokenized, so it may differ a little from the usage counts
+        trained = min(train_metrics["assistant_tokens"] / completion, 1.0) if completion else 0.0
+    else:
+        usable = sum(t.metrics.get("completion_tokens", 0) for g in groups
+                     if _has_variance(g) and not _ruler_failed(g) for t in g.trajectories)
+        trained = usable / completion * (1.0 - h.turns_without_logprobs) if completion else 0.0
+    return {"trainable_group_share": h.trainable_share, "trained_token_share": trained,
+            "ruler_errors": float(h.ruler_errors), "judge_errors": float(h.judge_errors)}
+
+
+def idle_cause(h: Health) -> str:
+    """Why a step trained on nothing, in words (the most fundamental cause first)."""
+    if not h.rollouts:
+        return "every rollout failed (see the errors above)"
+    if h.assistant_turns and h.turns_without_logprobs == 1.0:
+        return "the policy's replies carry no logprobs, which GRPO trains on"
+    if h.groups and h.ruler_errors == h.groups:
+        return f"RULER could not score any group ({h.first_error})"
+    if h.valid_call_rate == 0.0:
+        return (f"no rollout made a valid tool call, so every rollout of a question got the same reward "
+                f"(mean {h.mean_reward:+.2f})")
+    return f"every rollout of each question got the same reward (mean {h.mean_reward:+.2f})"
+
+
+# ----------------------------------------------------------------------------------------------
+# The preflight verdict
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    ok: bool
+    headline: str  # one plain sentence with the likely fix
+    warnings: list[str] = field(default_factory=list)
+
+
+def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pending: bool = False) -> Verdict:
+    """Would training on groups like these learn? Every failing check is listed, the most fundamental first."""
+    if warm_start_pending:
+        warm = f"run the warm start first (the same command with --sft-only; --sft-from {sft_from} has not run yet)"
+    elif sft_from:
+        warm = ("warm-start longer (more --sft-epochs or --sft-limit) or from a stronger teacher's evaluation "
+                "(--sft-from DIR)")
+    else:
+        warm = ("warm-start it first: --sft-from demo-expert on the demo inbox, or --sft-from EVAL_DIR with a "
+                "teacher model's evaluation")
+    judge_flags = "--ruler-model" if reward_mode == "ruler" else "--judge-model"
+    if not h.rollouts:
+        return Verdict(False, "cannot learn: every rollout failed; check that the policy's server is up and the "
+                              "model name is right.")
+    failures = []  # all are shown; the first is the headline
+    if h.assistant_turns and h.turns_without_logprobs == 1.0:
+        failures.append("cannot learn: no assistant turn has logprobs, which GRPO trains on; serve the policy with "
+                        "logprobs (ART's backends and the CPU backend do).")
+    if h.judge_error_share >= MAX_JUDGE_ERROR_SHARE:
+        what = "RULER" if h.ruler_errors else "the judge"
+        failures.append(f"cannot learn: {what} failed on {h.judge_error_share:.0%} of its calls ({h.first_error}); "
+                        f"check {judge_flags}, --judge-base-url and JUDGE_API_KEY.")
+    if h.valid_call_rate == 0.0:
+        failures.append(f"cannot learn: no valid tool calls; {warm}.")
+    elif h.trainable_share < MIN_TRAINABLE_SHARE and h.ruler_errors < h.groups:
+        if reward_mode == "judge":
+            fix = "use --reward shaped, whose partial credit separates rollouts the binary judge scores alike"
+        elif h.correct == 0.0:
+            fix = warm
+        else:
+            fix = "raise --rollouts-per-group or --temperature so rollouts of a question differ"
+        failures.append(f"learns little: only {h.trainable_groups} of {h.groups} groups have reward variance; {fix}.")
+    warnings = []
+    if h.judge_errors and h.judge_error_share < MAX_JUDGE_ERROR_SHARE:
+        warnings.append(f"the judge failed on {h.judge_errors} answers (graded offline instead): {h.first_error}")
+    if h.ruler_errors and h.judge_error_share < MAX_JUDGE_ERROR_SHARE:
+        warnings.append(f"RULER failed on {h.ruler_errors} groups (left untrained): {h.first_error}")
+    if 0 < h.turns_without_logprobs < 1.0:
+        warnings.append(f"{h.turns_without_logprobs:.0%} of assistant turns have no logprobs and are not trained")
+    if not failures and h.trainable_share < WARN_TRAINABLE_SHARE:
+        warnings.append(f"only {h.trainable_share:.0%} of groups have reward variance; steps will learn slowly")
+    if failures:
+        return Verdict(False, failures[0], failures[1:] + warnings)
+    return Verdict(True, f"can learn: {h.trainable_groups} of {h.groups} groups have reward variance.", warnings)
+
+
+def report(h: Health, verdict: Verdict, groups_per_step: int, rollouts_per_group: int, concurrency: int) -> list[str]:
+    """The preflight's numbers and warnings (the caller prints the verdict's headline)."""
+    # Rollouts run `concurrency` at a time; the update itself comes on top and is not measured here.
+    waves = math.ceil(groups_per_step * rollouts_per_group / max(concurrency, 1))
+    estimate = h.gather_s if h.gather_s else waves * h.rollout_s
+    lines = [
+        f"preflight: {h.groups} groups x {rollouts_per_group} rollouts",
+        f"  trainable groups     {h.trainable_groups}/{h.groups} ({h.trainable_share:.0%}) have reward variance",
+        (f"  reward               mean {h.mean_reward:+.3f}, spread within groups {h.reward_spread:.3f}"
+         if h.ruler_errors < h.groups else "  reward               none: no group was scored"),
+        f"  valid tool calls     {h.valid_call_rate:.0%} of calls and call-less turns",
+        f"  answers              {h.answered:.0%} answered ({h.correct:.0%} correct, {h.hallucinated:.0%} hallucinated), "
+        f"{h.i_dont_know:.0%} I don't know, {h.no_answer:.0%} none",
+        f"  without logprobs     {h.turns_without_logprobs:.0%} of {h.assistant_turns} assistant turns",
+        f"  judge errors         {h.judge_errors} of {h.judged} answers, RULER {h.ruler_errors} of {h.groups} groups",
+        f"  policy API errors    {h.api_errors} rollouts",
+        f"  time                 {h.rollout_s:.1f}s per rollout; about {estimate:.0f}s of rollouts per step "
+        f"of {groups_per_step} groups, plus the update",
+    ]
+    return lines + [f"  warning: {w}" for w in verdict.warnings]

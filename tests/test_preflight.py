@@ -1,0 +1,199 @@
+"""Training health: the preflight verdict and the per-step numbers, on groups recorded from real rollouts
+(scripted policies on the demo inbox), the train loop's use of them (with a recording stand-in backend),
+and one real run of the untrained CPU model that must be told it cannot learn."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import art
+import pytest
+from openai import AsyncOpenAI
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
+
+from conftest import ROOT
+from email_agent import backends, preflight
+from email_agent import questions as qmod
+from email_agent.rollout import Policy, RolloutConfig, rollout
+from scripted_server import ScriptedServer, call, expert_script, serve_in_thread
+
+import train_email_search_agent as cli
+
+LOGPROBS = ChoiceLogprobs(content=[ChatCompletionTokenLogprob(token="x", logprob=-0.5, bytes=None, top_logprobs=[])])
+
+
+@pytest.fixture(scope="module")
+def qs(demo_db):
+    return qmod.select_questions(demo_db, "train", seed=0)[:4]
+
+
+def record(db, qs, plays, logprobs=True):
+    """One group per question; `plays` names the scripted policy of each rollout in a group."""
+    scripts = {
+        "expert": {q.question: expert_script(q) for q in qs},
+        "wrong": {q.question: [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})] for q in qs},
+        "idk": {q.question: [call("return_final_answer", {"answer": "I don't know", "sources": []})] for q in qs},
+        "chatty": {q.question: [{"text": "Let me think."}, {"text": "Hmm."}] for q in qs},
+    }
+
+    async def go():
+        async with ScriptedServer(scripts) as server:
+            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
+            config = RolloutConfig(max_turns=2 if "chatty" in plays else 4)
+            groups = [art.TrajectoryGroup(await asyncio.gather(
+                *(rollout(Policy(client, name), q, db, config) for name in plays))) for q in qs]
+            await client.close()
+            return groups
+
+    groups = asyncio.run(go())
+    for traj in (t for g in groups for t in g.trajectories):  # as the CPU backend and vLLM serve them
+        for item in traj.messages_and_choices:
+            if logprobs and not isinstance(item, dict):
+                item.logprobs = LOGPROBS
+    return groups
+
+
+def test_untrained_policy_cannot_learn(demo_db, qs):
+    h = preflight.measure(record(demo_db, qs, ["chatty", "chatty"]), gather_s=12.0)
+    assert (h.groups, h.rollouts, h.trainable_groups, h.valid_call_rate) == (4, 8, 0, 0.0)
+    assert h.no_answer == 1.0 and h.mean_reward == pytest.approx(-0.2) and h.turns_without_logprobs == 0.0
+    verdict = preflight.diagnose(h, reward_mode="offline")
+    assert not verdict.ok and verdict.headline.startswith("cannot learn: no valid tool calls")
+    assert "--sft-from demo-expert" in verdict.headline
+    # a warm start that is configured but has not run yet is the fix to name
+    pending = preflight.diagnose(h, reward_mode="offline", sft_from="demo-expert", warm_start_pending=True)
+    assert "--sft-only" in pending.headline
+    assert "no rollout made a valid tool call" in preflight.idle_cause(h)
+
+
+def test_warm_started_policy_passes(demo_db, qs):
+    groups = record(demo_db, qs, ["expert", "wrong", "idk", "expert"])
+    h = preflight.measure(groups, gather_s=30.0)
+    assert (h.trainable_groups, h.ruler_errors, h.judge_errors) == (4, 0, 0)
+    assert h.answered == 0.75 and h.correct == 0.5 and h.hallucinated == 0.25 and h.i_dont_know == 0.25
+    assert h.valid_call_rate == 1.0 and h.reward_spread > 0.5
+    verdict = preflight.diagnose(h, reward_mode="offline")
+    assert verdict.ok and verdict.warnings == [] and verdict.headline.startswith("can learn: 4 of 4 groups")
+    lines = "\n".join(preflight.report(h, verdict, groups_per_step=4, rollouts_per_group=4, concurrency=8))
+    for text in ("4/4 (100%) have reward variance", "valid tool calls     100%", "50% correct, 25% hallucinated",
+                 "25% I don't know", "0% of 32 assistant turns", "about 30s of rollouts per step"):
+        assert text in lines
+
+
+def test_few_trainable_groups_and_missing_logprobs(demo_db, qs):
+    same = record(demo_db, qs, ["expert", "expert"])  # every rollout alike: nothing to compare
+    mixed = record(demo_db, qs[:1], ["expert", "wrong"])
+    h = preflight.measure(same + mixed)
+    assert (h.trainable_groups, h.groups) == (1, 5)
+    verdict = preflight.diagnose(h, reward_mode="offline")
+    assert not verdict.ok and verdict.headline.startswith("learns little: only 1 of 5 groups")
+    assert "--rollouts-per-group" in verdict.headline
+    judged = preflight.diagnose(h, reward_mode="judge")
+    assert "--reward shaped" in judged.headline
+
+    bare = preflight.measure(record(demo_db, qs, ["expert", "wrong"], logprobs=False))
+    assert bare.turns_without_logprobs == 1.0
+    verdict = preflight.diagnose(bare, reward_mode="offline")
+    assert not verdict.ok and "no assistant turn has logprobs" in verdict.headline
+    assert "no logprobs" in preflight.idle_cause(bare)
+
+
+def test_step_metrics(demo_db, qs):
+    groups = record(demo_db, qs[:2], ["expert", "wrong"]) + record(demo_db, qs[2:], ["idk", "idk"])
+    h = preflight.measure(groups)
+    completion = sum(t.metrics["completion_tokens"] for g in groups for t in g.trajectories)
+    # the CPU backend reports what it trained on
+    cpu = {"num_trainable": 2.0, "num_trajectories": 8.0, "trained_tokens": 900.0, "assistant_tokens": 40.0}
+    m = preflight.step_metrics(h, groups, cpu)
+    assert m == {"trainable_group_share": 0.5, "trained_token_share": pytest.approx(40 / completion),
+                 "ruler_errors": 0.0, "judge_errors": 0.0}
+    skipped = {"num_trainable": 0.0, "num_trajectories": 8.0, "trained_tokens": 0.0}
+    assert preflight.step_metrics(h, groups, skipped)["trained_token_share"] == 0.0
+    # ART's LocalBackend does not: estimated from the trainable groups' tokens
+    expected = sum(t.metrics["completion_tokens"] for g in groups[:2] for t in g.trajectories) / completion
+    assert preflight.step_metrics(h, groups, {"loss": 0.1})["trained_token_share"] == pytest.approx(expected)
+
+
+def test_judge_failures_fail_the_preflight(demo_db, qs):
+    groups = record(demo_db, qs, ["expert", "wrong"])
+    for t in (t for g in groups for t in g.trajectories):
+        t.metrics["judge_error"] = 1
+        t.metadata["verdict_error"] = "judge openai/x failed after 3 tries (APIConnectionError: refused)"
+    h = preflight.measure(groups)
+    assert h.judge_errors == 8 and h.judged == 8
+    verdict = preflight.diagnose(h, reward_mode="shaped")
+    assert not verdict.ok and verdict.headline.startswith("cannot learn: the judge failed on 100%")
+    assert "APIConnectionError" in verdict.headline and "--judge-model" in verdict.headline
+
+
+# ---- the train loop: verdict on the first step, shares on every step, preflight trains nothing -----------
+
+def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides):
+    from test_train import RecordingBackend
+
+    made = {}
+    with serve_in_thread(scripts) as server:
+        def fake_make_backend(name, cfg):
+            made["backend"] = RecordingBackend(server.base_url, name=name)
+            return made["backend"]
+
+        monkeypatch.setattr(backends, "cuda_available", lambda: True)
+        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
+        overrides = {k: v(server.base_url) if callable(v) else v for k, v in overrides.items()}  # e.g. a judge URL
+        cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0, train_limit=4,
+                              groups_per_step=2, rollouts_per_group=2, eval_every=100, **overrides)
+        try:
+            asyncio.run(cli.train(cfg))
+        finally:
+            made["server"] = server
+    return made
+
+
+def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, tmp_path, monkeypatch, qs, capsys):
+    # the scripted server sends no logprobs: every step trains on nothing, and the loop says so
+    train_qs = qmod.select_questions(demo_db, "train", seed=0)
+    made = run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
+                    max_steps=3)
+    out, err = capsys.readouterr()
+    assert len(made["backend"].train_calls) == 3
+    assert "trainable groups     0/2" in out and "warning: cannot learn: no assistant turn has logprobs" in out
+    assert out.count("LEARNED NOTHING") == 3
+    assert "3 steps in a row trained on nothing: the policy's replies carry no logprobs" in err
+    history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
+    rows = [row for row in history if "train/loss" in row]
+    assert [row["train/trainable_group_share"] for row in rows] == [0.0, 0.0, 0.0]
+    assert [row["train/trained_token_share"] for row in rows] == [0.0, 0.0, 0.0]
+
+
+def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, tmp_path, monkeypatch, capsys):
+    train_qs = qmod.select_questions(demo_db, "train", seed=0)
+    with pytest.raises(cli.DataError, match="^cannot learn: no assistant turn has logprobs"):
+        run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
+                 preflight=True, sft_from="demo-expert")
+    assert "preflight: 2 groups x 2 rollouts" in capsys.readouterr().out
+    run = tmp_path / "email-agent/models/h"
+    assert not (run / "history.jsonl").exists()
+    assert not (run / "state.json").exists()  # the warm start is not marked done
+    with pytest.raises(cli.DataError, match="--preflight with --fresh would delete"):
+        asyncio.run(cli.train(cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0,
+                                              preflight=True, fresh=True)))
+
+
+@pytest.mark.slow
+def test_untrained_cpu_model_gets_cannot_learn(demo_db_path, tmp_path):
+    """The real thing: SmolLM2 without a warm start makes no valid tool call; the preflight says so and fails."""
+    art_dir = tmp_path / "art"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_email_search_agent.py"), "train", "--demo", "--db", str(demo_db_path),
+         "--art-dir", str(art_dir), "--name", "raw", "--sft-from", "", "--preflight", "--groups-per-step", "2",
+         "--rollouts-per-group", "2", "--max-turns", "2", "--max-tokens", "32"],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Error: cannot learn: no valid tool calls; warm-start it first: --sft-from demo-expert" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "valid tool calls     0%" in proc.stdout and "trainable groups" in proc.stdout
+    run = art_dir / "email-agent" / "models" / "raw"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000"]  # nothing trained
+    assert not (run / "history.jsonl").exists()

@@ -1,0 +1,122 @@
+"""RULER group scoring against a scripted judge (litellm -> the scripted OpenAI-compatible server): scores
+re-keyed by trajectory id, incomplete replies retried, failures recorded and shown by the train loop."""
+
+import asyncio
+import json
+
+import art
+import pytest
+from openai import AsyncOpenAI
+
+from email_agent import preflight, rewards
+from email_agent import questions as qmod
+from email_agent.rollout import Policy, RolloutConfig, rollout
+from scripted_server import ScriptedServer, call, expert_script
+from test_preflight import LOGPROBS
+
+PLAYS = ["expert", "wrong", "idk"]
+
+
+class ScriptedJudge(ScriptedServer):
+    """Answers each judge request with the next reply in `replies` (the last one repeats)."""
+
+    def __init__(self, replies):
+        super().__init__({})
+        self.replies = replies
+
+    async def _completions(self, request):
+        self.scripts = {"*": [self.replies[min(len(self.requests), len(self.replies) - 1)]]}
+        return await super()._completions(request)
+
+
+def scores(*pairs):
+    return {"text": json.dumps({"scores": [{"trajectory_id": str(i), "explanation": f"t{i}", "score": s}
+                                           for i, s in pairs]})}
+
+
+@pytest.fixture(scope="module")
+def group(demo_db):
+    """Three rollouts of one question (expert, wrong answer, I don't know), recorded once."""
+    q = qmod.select_questions(demo_db, "train", seed=0)[0]
+    scripts = {"expert": {q.question: expert_script(q)},
+               "wrong": {q.question: [call("return_final_answer", {"answer": "Tuesday", "sources": []})]},
+               "idk": {q.question: [call("return_final_answer", {"answer": "I don't know", "sources": []})]}}
+
+    async def go():
+        async with ScriptedServer(scripts) as server:
+            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
+            trajs = await asyncio.gather(*(rollout(Policy(client, p), q, demo_db, RolloutConfig()) for p in PLAYS))
+            await client.close()
+            return trajs
+
+    trajs = asyncio.run(go())
+    for item in (item for t in trajs for item in t.messages_and_choices if not isinstance(item, dict)):
+        item.logprobs = LOGPROBS  # as a trainable policy's server sends them
+    return trajs
+
+
+def judge(group_trajs, replies, use_art=False):
+    async def go():
+        async with ScriptedJudge(replies) as server:
+            fresh = art.TrajectoryGroup([t.model_copy(deep=True) for t in group_trajs])
+            params = {"api_base": server.base_url, "api_key": "none"}
+            if use_art:
+                from art.rewards import ruler_score_group
+
+                return await ruler_score_group(fresh, "openai/judge", extra_litellm_params=params), server
+            return await rewards.ruler_group(fresh, "openai/judge", params), server
+
+    return asyncio.run(go())
+
+
+def test_scores_are_matched_by_id_not_position(group):
+    reply = scores((3, 0.1), ("trajectory 1", 0.9), (2, 0.4))  # the judge lists trajectory 3 first
+    scored, server = judge(group, [reply])
+    assert [t.reward for t in scored.trajectories] == [0.9, 0.4, 0.1]
+    assert [t.metrics["ruler_score"] for t in scored.trajectories] == [0.9, 0.4, 0.1]
+    assert [t.metrics["independent_reward"] for t in scored.trajectories] == [t.reward for t in group]
+    assert all(t.metrics["ruler_error"] == 0 for t in scored.trajectories) and len(server.requests) == 1
+    assert server.requests[0]["response_format"]["type"] == "json_schema"  # RULER's structured reply
+    # why: ART 0.5.18's ruler_score_group pairs by position and gives the expert's score to the I-don't-know
+    art_scored, _ = judge(group, [reply], use_art=True)
+    assert [t.reward for t in art_scored.trajectories] == [0.1, 0.9, 0.4]
+
+
+def test_incomplete_reply_is_retried(group):
+    scored, server = judge(group, [scores((1, 0.9), (2, 0.4)), scores((2, 0.5), (1, 0.8), (3, 0.0))])
+    assert len(server.requests) == 2
+    assert [t.reward for t in scored.trajectories] == [0.8, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("reply", [
+    {"text": json.dumps({"scores": []})},  # no scores
+    scores((1, 0.9), (1, 0.8), (2, 0.1)),  # a trajectory scored twice, one not at all
+    {"text": "I cannot grade these."},  # no JSON
+    {"status": 500},
+])
+def test_failed_judge_is_recorded_not_zeroed_silently(group, reply):
+    scored, server = judge(group, [reply])
+    assert len(server.requests) == (6 if "status" in reply else 2)  # one retry (of the client's 3 tries on a 5xx)
+    trajs = scored.trajectories
+    assert all(t.metrics["ruler_error"] == 1 and t.reward == 0.0 for t in trajs)  # equal rewards: GRPO skips it
+    assert all(t.metadata["ruler_error"].startswith("RULER judge openai/judge:") for t in trajs)
+    h = preflight.measure([scored])
+    assert (h.ruler_errors, h.trainable_groups) == (1, 0)
+    verdict = preflight.diagnose(h, reward_mode="ruler")
+    assert not verdict.ok and verdict.headline.startswith("cannot learn: RULER failed on 100%")
+    assert "--ruler-model" in verdict.headline
+    assert preflight.idle_cause(h).startswith("RULER could not score any group")
+
+
+def test_loop_shows_ruler_errors(demo_db, demo_db_path, tmp_path, monkeypatch, capsys):
+    from test_preflight import run_loop
+
+    train_qs = qmod.select_questions(demo_db, "train", seed=0)
+    scripts = {q.question: expert_script(q) for q in train_qs}
+    scripts["judge"] = {"*": [{"text": json.dumps({"scores": []})}]}
+    run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, max_steps=1, reward="ruler",
+             ruler_model="openai/judge", judge_base_url=lambda url: url)
+    out = capsys.readouterr().out
+    assert "RULER 2 of 2 groups" in out and "RULER errors 2" in out and "LEARNED NOTHING" in out
+    history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
+    assert [row["train/ruler_errors"] for row in history if "train/loss" in row] == [2.0]
