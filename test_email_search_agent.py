@@ -24,7 +24,7 @@ from pathlib import Path
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
 from email_agent import report, rewards
 from email_agent.data import DataError, EmailDB
-from email_agent.questions import Question, select_questions
+from email_agent.questions import Question, id_sort_key, select_questions
 from email_agent.rollout import Policy, RolloutConfig, rollout
 
 ART_DIR = ".art"
@@ -220,7 +220,7 @@ async def evaluate(args) -> int:
 
 def finish(out: Path, records: list[dict], histories: dict, args) -> int:
     order = {spec: i for i, spec in enumerate(args.model or [])}
-    records.sort(key=lambda r: (order.get(r["model"], 0), r["question_id"]))
+    records.sort(key=lambda r: (order.get(r["model"], 0), id_sort_key(r["question_id"])))
     summary = report.summarize(records)
     paths = report.write_report(out, records, summary, histories=histories or None)
     for label, s in summary["models"].items():

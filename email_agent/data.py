@@ -60,7 +60,7 @@ CREATE VIRTUAL TABLE emails_fts USING fts5(
     tokenize='porter unicode61 remove_diacritics 2'
 );
 CREATE TABLE questions (
-    id            INTEGER PRIMARY KEY,
+    id            NOT NULL PRIMARY KEY,    -- no type: an integer or a string id is kept as given
     question      TEXT NOT NULL,
     answer        TEXT NOT NULL,
     message_ids   TEXT NOT NULL,           -- JSON list
@@ -68,7 +68,9 @@ CREATE TABLE questions (
     inbox_address TEXT NOT NULL,           -- lower-case
     query_date    TEXT NOT NULL,           -- 'YYYY-MM-DD'
     split         TEXT NOT NULL,
-    gold_in_db    INTEGER NOT NULL         -- 1 when every message_id is in emails
+    gold_in_db    INTEGER NOT NULL,        -- 1 when every message_id is in emails
+    model         TEXT,                    -- the LLM that wrote it (generate-questions); NULL if imported
+    temperature   REAL                     -- its sampling temperature
 );
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
