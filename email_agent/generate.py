@@ -87,7 +87,7 @@ class GenerateSummary:
     rejected: Counter = field(default_factory=Counter)  # reason -> candidates
     examples: dict[str, str] = field(default_factory=dict)  # reason -> the first rejected question
     failed_batches: Counter = field(default_factory=Counter)  # reason -> batches with no usable reply
-    cost_usd: float | None = None  # None: litellm knows no price for this model
+    cost_usd: float | None = 0.0  # of this run's requests; None: litellm knows no price for this model
     total: dict[str, int] = field(default_factory=dict)  # split -> questions in the database afterwards
 
     def lines(self) -> list[str]:
@@ -491,7 +491,7 @@ async def _run(batches, conn, cfg, cache, stored, summary, progress) -> list[dic
                     seen.setdefault(q["inbox"], []).append(ws)
                     accepted.append(q)
             known = [c for c in costs if c is not None]
-            summary.cost_usd = sum(known) if known else None
+            summary.cost_usd = sum(known) if known or not costs else None  # nothing asked: nothing spent
             bar.set_postfix_str(f"accepted={len(accepted)} rejected={sum(summary.rejected.values())}"
                                 + (f" cost=${summary.cost_usd:.4f}" if summary.cost_usd is not None else ""))
     finally:

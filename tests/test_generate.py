@@ -118,6 +118,17 @@ def test_only_valid_candidates_are_stored_and_rejections_are_counted(db_path):
     reader.close()
 
 
+def test_cost_is_counted_where_litellm_knows_the_price(db_path):
+    with serve_in_thread({"gpt-4o-mini": good_and_bad}) as server:
+        summary = generate.generate_questions(db_path, config(server.base_url, model="openai/gpt-4o-mini"),
+                                              progress=False)
+        assert summary.cost_usd > 0 and "cost        $" in "\n".join(summary.lines())
+        again = generate.generate_questions(db_path, config(server.base_url, model="openai/gpt-4o-mini"),
+                                            progress=False)
+    assert again.cached == 3 and again.cost_usd == 0 and sum(again.added.values()) == 0
+    assert again.rejected["already in the database"] == 9  # the 6 stored and their 3 rephrasings
+
+
 def test_split_never_shares_an_email_between_train_and_test():
     import random
 
