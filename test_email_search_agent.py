@@ -180,7 +180,8 @@ async def evaluate(args) -> int:
     db = EmailDB(args.db)
     questions = select_questions(db, args.split, single_source=args.single_source, seed=args.seed, limit=args.limit)
     if not questions:
-        raise DataError(f"No answerable {args.split!r} questions in {args.db}.")
+        raise DataError(f"No answerable {args.split!r} questions in {args.db}; write some with "
+                        f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
     records, histories = [], {}
     async with contextlib.AsyncExitStack() as stack:
         contestants = [await open_contestant(spec, args, stack) for spec in args.model]

@@ -54,7 +54,8 @@ def build_db(args) -> None:
         if args.questions:
             question_rows = questions.read_questions(args.questions)
         elif args.emails:
-            print("note: no --questions given; the database will hold emails only (nothing to train on).",
+            print(f"note: no --questions given; the database will hold emails only. Write questions for it with: "
+                  f"python train_email_search_agent.py generate-questions --db {args.db or DEFAULT_DB} --model MODEL",
                   file=sys.stderr)
             question_rows = []
         else:
@@ -307,7 +308,8 @@ async def train(cfg: TrainConfig) -> None:
     if cfg.train_limit:
         train_questions = train_questions[:cfg.train_limit]
     if not train_questions:
-        raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation).")
+        raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation); "
+                        f"write some with `python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`.")
     reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
     ruler_model = cfg.ruler_model or (judge.model if judge else "")

@@ -113,7 +113,7 @@ def _fill(conn, emails, questions, summary, source, total, progress):
             reason = str(exc).split(" '")[0]  # group "unparseable date 'x'" and "unparseable date 'y'"
             summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
             if len(summary.skip_examples) < SKIP_EXAMPLES:
-                where = raw.get("file_name") or raw.get("message_id") or f"record {n}"
+                where = raw.get("message_id") or raw.get("file_name") or f"record {n}"
                 summary.skip_examples.append(f"{where}: {exc}")
             continue
         if row["message_id"] in seen:

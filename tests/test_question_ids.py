@@ -49,9 +49,13 @@ def test_string_ids_in_the_database_and_selection(string_id_db):
 def test_malformed_questions_are_shown_with_their_reason(tmp_path):
     emails, qs = demo.generate(seed=0)
     bad = [{"id": "q-x", "question": "no answer?"}, dict(qs[0], id=""), dict(qs[1], query_date="someday")]
-    summary = build.build_database(emails[:50], bad + qs[:2], tmp_path / "b.db", source="t", progress=False)
+    bad_emails = [dict(emails[0], message_id="<bad-date@x>", date="the 5th of never"), dict(emails[1], message_id="")]
+    summary = build.build_database(emails[:50] + bad_emails, bad + qs[:2], tmp_path / "b.db", source="t",
+                                   progress=False)
     assert summary.questions_skipped == 3
     text = "\n".join(summary.lines())
+    assert "skipped email     <bad-date@x>: unparseable date 'the 5th of never'" in text
+    assert "skipped email     " + emails[1]["file_name"] + ": missing message_id" in text
     assert "record 1 (id 'q-x'): missing answer, message_ids, inbox_address, query_date" in text
     assert "id must be an integer or a non-empty string" in text
     assert "someday" in text
