@@ -24,7 +24,7 @@ from pathlib import Path
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
 from email_agent import cli, report, rewards
 from email_agent.data import DataError, EmailDB
-from email_agent.questions import Question, select_questions
+from email_agent.questions import Question, id_sort_key, select_questions
 from email_agent.rollout import Policy, RolloutConfig, rollout
 
 ART_DIR = ".art"
@@ -180,7 +180,8 @@ async def evaluate(args) -> int:
     db = EmailDB(args.db)
     questions = select_questions(db, args.split, single_source=args.single_source, seed=args.seed, limit=args.limit)
     if not questions:
-        raise DataError(f"No answerable {args.split!r} questions in {args.db}.")
+        raise DataError(f"No answerable {args.split!r} questions in {args.db}; write some with "
+                        f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
     records, histories = [], {}
     async with contextlib.AsyncExitStack() as stack:
         contestants = [await open_contestant(spec, args, stack) for spec in args.model]
@@ -220,7 +221,7 @@ async def evaluate(args) -> int:
 
 def finish(out: Path, records: list[dict], histories: dict, args) -> int:
     order = {spec: i for i, spec in enumerate(args.model or [])}
-    records.sort(key=lambda r: (order.get(r["model"], 0), r["question_id"]))
+    records.sort(key=lambda r: (order.get(r["model"], 0), id_sort_key(r["question_id"])))
     summary = report.summarize(records)
     paths = report.write_report(out, records, summary, histories=histories or None)
     for label, s in summary["models"].items():

@@ -4,6 +4,7 @@
     python train_email_search_agent.py build-db                 # the Enron corpus + ART·E questions from Hugging Face
     python train_email_search_agent.py search --inbox ADDRESS KEYWORD...   # the agent's search tool, for humans
     python train_email_search_agent.py read MESSAGE_ID          # the agent's read tool, for humans
+    python train_email_search_agent.py generate-questions --db my.db --model openai/gpt-4.1   # questions for your inbox
     python train_email_search_agent.py train --demo             # GRPO on the demo inbox, CPU, offline
     python train_email_search_agent.py train --name qwen7b      # GRPO on Enron; GPU (ART LocalBackend) if present
 
@@ -54,7 +55,8 @@ def build_db(args) -> None:
         if args.questions:
             question_rows = questions.read_questions(args.questions)
         elif args.emails:
-            print("note: no --questions given; the database will hold emails only (nothing to train on).",
+            print(f"note: no --questions given; the database will hold emails only. Write questions for it with: "
+                  f"python train_email_search_agent.py generate-questions --db {args.db or DEFAULT_DB} --model MODEL",
                   file=sys.stderr)
             question_rows = []
         else:
@@ -64,6 +66,25 @@ def build_db(args) -> None:
     print(f"building {db_path} from {source}", file=sys.stderr)
     summary = build.build_database(emails, question_rows, db_path, source=source, total=total,
                                   progress=not args.quiet)
+    print("\n".join(summary.lines()))
+
+
+# ----------------------------------------------------------------------------------------------
+# generate-questions: an LLM writes the question set for an inbox
+# ----------------------------------------------------------------------------------------------
+
+def generate_questions(args) -> None:
+    import os
+
+    from email_agent.generate import GenerateConfig, cache_path, generate_questions
+
+    cfg = GenerateConfig(model=args.model, base_url=args.base_url, api_key=os.environ.get("QUESTIONS_API_KEY"),
+                         inboxes=args.inbox or [], max_questions=args.max_questions, batch_size=args.batch_size,
+                         test_fraction=args.test_fraction, min_realistic=args.min_realistic, seed=args.seed,
+                         replace=args.replace, temperature=args.temperature, concurrency=args.concurrency)
+    print(f"generating questions for {args.db} with {cfg.model} (temperature {cfg.temperature}); replies cached in "
+          f"{cache_path(args.db)}", file=sys.stderr)
+    summary = generate_questions(args.db, cfg, progress=not args.quiet)
     print("\n".join(summary.lines()))
 
 
@@ -293,7 +314,8 @@ async def train(cfg: TrainConfig) -> None:
     if cfg.train_limit:
         train_questions = train_questions[:cfg.train_limit]
     if not train_questions:
-        raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation).")
+        raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation); "
+                        f"write some with `python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`.")
     reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
@@ -448,6 +470,34 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", metavar="PATH", help=f"output database (default {DEFAULT_DB}; with --demo {DEMO_DB})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=build_db)
+
+    p = sub.add_parser("generate-questions", help="write a question set for an inbox with an LLM",
+                       description="Ask an LLM to write question/answer pairs from batches of one inbox's emails "
+                                   "(as ART·E made its questions), validate each against the database, split them "
+                                   "into train/test with no shared email, and store them in the database. Re-running "
+                                   "reuses cached replies and adds only new questions. Key: QUESTIONS_API_KEY, or the "
+                                   "provider's usual variable (OPENAI_API_KEY...). Example: python "
+                                   "train_email_search_agent.py generate-questions --db data/me.db --model "
+                                   "openai/gpt-4.1 --inbox me@example.com --max-questions 500")
+    p.add_argument("--db", default=DEFAULT_DB, metavar="PATH", help=f"database from build-db (default {DEFAULT_DB})")
+    p.add_argument("--model", required=True, metavar="SPEC", help="any litellm model name (openai/gpt-4.1, "
+                                                                 "anthropic/..., hosted_vllm/NAME with --base-url)")
+    p.add_argument("--base-url", metavar="URL", help="an OpenAI-compatible endpoint (a litellm proxy, vLLM)")
+    p.add_argument("--inbox", action="append", metavar="ADDRESS", help="whose mail to ask about (repeat for several; "
+                                                                       "default: the largest inbox)")
+    p.add_argument("--max-questions", type=int, default=0, metavar="N", help="stop after N new questions (default: "
+                                                                             "use every batch)")
+    p.add_argument("--batch-size", type=int, default=20, metavar="N", help="emails per request (default 20)")
+    p.add_argument("--test-fraction", type=float, default=0.2, metavar="F", help="share of new questions held out "
+                                                                                 "for testing (default 0.2)")
+    p.add_argument("--min-realistic", type=float, default=0.0, metavar="X",
+                   help="reject questions the model rates less realistic than X (0..1, default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="batch order, query dates and split (default 0)")
+    p.add_argument("--replace", action="store_true", help="delete every stored question and cached reply first")
+    p.add_argument("--temperature", type=float, default=0.5, help="sampling temperature (default 0.5, as ART·E)")
+    p.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight (default 4)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=generate_questions)
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=DEFAULT_DB, metavar="PATH", help=f"database (default {DEFAULT_DB})")

@@ -21,6 +21,8 @@ from tqdm import tqdm
 from .data import INDEXES, SCHEMA, DataError, SkipRecord, member_token, normalize_email
 from .questions import normalize_question
 
+SKIP_EXAMPLES = 3  # skipped records the summary shows with their reason (the rest are counted)
+
 
 @dataclass
 class BuildSummary:
@@ -34,6 +36,8 @@ class BuildSummary:
     questions: dict[str, int] = field(default_factory=dict)  # split -> count
     questions_missing_gold: int = 0
     questions_skipped: int = 0
+    skip_examples: list[str] = field(default_factory=list)  # the first few skipped emails, with why
+    question_skip_examples: list[str] = field(default_factory=list)  # the first few skipped questions, with why
     seconds: float = 0.0
     db_bytes: int = 0
 
@@ -50,6 +54,8 @@ class BuildSummary:
             f"skipped     {skipped:,} malformed ({why})",
             f"questions   {q}; {self.questions_missing_gold:,} cite an email not in the database "
             f"(kept, excluded from training); {self.questions_skipped:,} malformed skipped",
+            *(f"  skipped email     {example}" for example in self.skip_examples),
+            *(f"  skipped question  {example}" for example in self.question_skip_examples),
         ]
 
 
@@ -98,7 +104,7 @@ def _fill(conn, emails, questions, summary, source, total, progress):
 
     conn.execute("BEGIN")
     bar = tqdm(emails, total=total, unit=" emails", desc="loading", disable=not progress, mininterval=0.5)
-    for raw in bar:
+    for n, raw in enumerate(bar, 1):
         try:
             if "_error" in raw:
                 raise SkipRecord(raw["_error"])
@@ -106,6 +112,9 @@ def _fill(conn, emails, questions, summary, source, total, progress):
         except SkipRecord as exc:
             reason = str(exc).split(" '")[0]  # group "unparseable date 'x'" and "unparseable date 'y'"
             summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
+            if len(summary.skip_examples) < SKIP_EXAMPLES:
+                where = raw.get("message_id") or raw.get("file_name") or f"record {n}"
+                summary.skip_examples.append(f"{where}: {exc}")
             continue
         if row["message_id"] in seen:
             summary.duplicates += 1
@@ -139,25 +148,29 @@ def _fill(conn, emails, questions, summary, source, total, progress):
         conn.executescript(sql) if ";" in sql else conn.execute(sql)
 
     split_counts: dict[str, int] = {}
-    for raw in questions:
+    for n, raw in enumerate(questions, 1):
         try:
             q = normalize_question(raw)
-        except ValueError:
+        except ValueError as exc:
             summary.questions_skipped += 1
+            if len(summary.question_skip_examples) < SKIP_EXAMPLES:
+                qid = raw.get("id") if isinstance(raw, dict) else None
+                where = f"record {n}" + (f" (id {qid!r})" if qid is not None else "")
+                summary.question_skip_examples.append(f"{where}: {exc}")
             continue
         gold_in_db = all(m in seen for m in q.message_ids)
         summary.questions_missing_gold += not gold_in_db
         split_counts[q.split] = split_counts.get(q.split, 0) + 1
-        conn.execute("INSERT OR REPLACE INTO questions VALUES (?,?,?,?,?,?,?,?,?)",
+        conn.execute("INSERT OR REPLACE INTO questions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                      (q.id, q.question, q.answer, json.dumps(q.message_ids), q.how_realistic,
-                      q.inbox_address, q.query_date, q.split, int(gold_in_db)))
+                      q.inbox_address, q.query_date, q.split, int(gold_in_db), None, None))
     summary.questions = split_counts
 
     summary.addresses = conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
     summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()
     meta = {"source": source, "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "emails": str(summary.emails), "duplicates": str(summary.duplicates),
-            "skipped": json.dumps(summary.skipped), "schema_version": "1"}
+            "skipped": json.dumps(summary.skipped), "schema_version": "2"}
     conn.executemany("INSERT INTO meta VALUES (?,?)", sorted(meta.items()))
     conn.execute("COMMIT")
     conn.execute("ANALYZE")

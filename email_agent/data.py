@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import quote
 
+from .mime import decode_header, message_body
+
 
 MAX_SEARCH_RESULTS = 20  # search_inbox clamps max_results to this instead of failing the call
 SNIPPET_TOKENS = 16
@@ -60,7 +62,7 @@ CREATE VIRTUAL TABLE emails_fts USING fts5(
     tokenize='porter unicode61 remove_diacritics 2'
 );
 CREATE TABLE questions (
-    id            INTEGER PRIMARY KEY,
+    id            NOT NULL PRIMARY KEY,    -- no type: an integer or a string id is kept as given
     question      TEXT NOT NULL,
     answer        TEXT NOT NULL,
     message_ids   TEXT NOT NULL,           -- JSON list
@@ -68,7 +70,9 @@ CREATE TABLE questions (
     inbox_address TEXT NOT NULL,           -- lower-case
     query_date    TEXT NOT NULL,           -- 'YYYY-MM-DD'
     split         TEXT NOT NULL,
-    gold_in_db    INTEGER NOT NULL         -- 1 when every message_id is in emails
+    gold_in_db    INTEGER NOT NULL,        -- 1 when every message_id is in emails
+    model         TEXT,                    -- the LLM that wrote it (generate-questions); NULL if imported
+    temperature   REAL                     -- its sampling temperature
 );
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -146,39 +150,38 @@ def normalize_email(raw: dict) -> dict:
     }
 
 
-def _unfold(header: str | None) -> str:
+def _unfold(header, decode: bool = True) -> str:
     # CMU/Enron exports fold long headers mid-word with "\n\t"; other folds become one space.
+    # Address headers are parsed before decoding: a decoded display name may hold a comma ("Müller, Jörg").
     if header is None:
         return ""
-    return " ".join(str(header).replace("\r", "").replace("\n\t", "").split("\n")).strip()
+    text = decode_header(header) if decode else str(header)
+    return " ".join(text.replace("\r", "").replace("\n\t", "").split("\n")).strip()
 
 
 def message_to_record(msg: email.message.Message, file_name: str) -> dict:
-    """An RFC 822 message (maildir file, mbox entry) -> a raw record in our JSONL schema."""
-    if msg.is_multipart():
-        parts = [p for p in msg.walk() if p.get_content_type() == "text/plain"]
-        part = parts[0] if parts else None
-    else:
-        part = msg
-    body = ""
-    if part is not None:
-        payload = part.get_payload(decode=True) or b""
-        charset = part.get_content_charset() or "cp1252"
-        try:
-            body = payload.decode(charset)
-        except (LookupError, UnicodeDecodeError):
-            body = payload.decode("latin-1")
-    return {
+    """An RFC 822 message (maildir file, mbox entry, .eml) -> a raw record in our JSONL schema.
+
+    The body is the message's inline text (HTML turned into text when there is no plain part; attachments
+    skipped); headers are decoded (RFC 2047, any charset). A message without a Message-ID (drafts, some
+    Sent folders) gets a stable one made from its content, so it is kept and a re-import finds the same id.
+    """
+    body = message_body(msg).replace("\r\n", "\n")
+    record = {
         "message_id": _unfold(msg.get("Message-ID")),
         "date": _unfold(msg.get("Date")) or None,
         "subject": _unfold(msg.get("Subject")),
-        "from_address": _unfold(msg.get("From")),
-        "to_addresses": _unfold(msg.get("To")),
-        "cc_addresses": _unfold(msg.get("Cc")),
-        "bcc_addresses": _unfold(msg.get("Bcc")),
-        "body": body.replace("\r\n", "\n"),
+        "from_address": _unfold(msg.get("From"), decode=False),
+        "to_addresses": _unfold(msg.get("To"), decode=False),
+        "cc_addresses": _unfold(msg.get("Cc"), decode=False),
+        "bcc_addresses": _unfold(msg.get("Bcc"), decode=False),
+        "body": body,
         "file_name": file_name,
     }
+    if not record["message_id"] and (record["date"] or body):
+        digest = hashlib.sha1(json.dumps([record[k] for k in ("date", "from_address", "subject", "body")]).encode())
+        record["message_id"] = f"<{digest.hexdigest()[:20]}@no-message-id>"
+    return record
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,25 +210,44 @@ def read_parquet(path: Path) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
+# Files in mail folders that are not mail: Thunderbird indexes, Apple Mail and Dovecot/Courier bookkeeping.
+NOT_MAIL_SUFFIXES = (".msf", ".plist", ".index", ".cache", ".log", ".json", ".dat", ".db", ".sqlite", ".toc")
+NOT_MAIL_NAMES = {"maildirfolder", "dovecot-uidlist", "dovecot-keywords", "dovecot-uidvalidity", "subscriptions",
+                  "courierimapkeywords", "courierimapuiddb", "courierimapacl", "table_of_contents", "msgFilterRules.dat"}
+
+
 def read_maildir(root: Path) -> Iterator[dict]:
-    """A CMU-style maildir tree (maildir/<user>/<folder>/<n>.): every regular file is one message."""
+    """A folder of mail, however it is laid out: a CMU-style tree (every file one message), maildirs (cur/new,
+    nested Maildir++ folders; tmp/ holds unfinished deliveries and is skipped), Thunderbird's mbox files and
+    their .sbd subfolders, Apple Mail's Name.mbox/mbox, and .eml files. Index files and dotfiles are skipped."""
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.name
+        if name.startswith(".") or name in NOT_MAIL_NAMES or name.lower().endswith(NOT_MAIL_SUFFIXES) \
+                or name.startswith("dovecot.") or path.stat().st_size == 0:
+            continue  # an empty file is an empty Thunderbird folder, not a message
+        if path.parent.name == "tmp" and (path.parent.parent / "cur").is_dir():
+            continue
+        label = str(path.relative_to(root.parent))
+        if _looks_like_mbox(path):
+            yield from read_mbox(path, label)
+            continue
         with open(path, "rb") as f:
             msg = email.message_from_binary_file(f, policy=email.policy.compat32)
-        yield message_to_record(msg, str(path.relative_to(root.parent)))
+        yield message_to_record(msg, label)
 
 
-def read_mbox(path: Path) -> Iterator[dict]:
+def read_mbox(path: Path, label: str | None = None) -> Iterator[dict]:
     box = mboxlib.mbox(path, create=False)
     try:
         for key, msg in box.iteritems():
-            yield message_to_record(msg, f"{path.name}#{key}")
+            yield message_to_record(msg, f"{label or path.name}#{key}")
     finally:
         box.close()
 
 
 def read_emails(path: str | os.PathLike) -> Iterator[dict]:
-    """Pick a reader from what PATH is: a directory (maildir), .jsonl(.gz), .parquet, or an mbox file."""
+    """Pick a reader from what PATH is: a directory (mail folders of any layout), .jsonl(.gz), .parquet, an
+    mbox file (Gmail Takeout, Thunderbird) or a single .eml message."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"No such file or folder: {path}")
@@ -238,7 +260,14 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
         return read_parquet(path)
     if name.endswith(".mbox") or _looks_like_mbox(path):
         return read_mbox(path)
-    raise DataError(f"Don't know how to read {path}: expected a maildir folder, .jsonl(.gz), .parquet or an mbox file.")
+    if name.endswith(".eml"):
+        with open(path, "rb") as f:
+            return iter([message_to_record(email.message_from_binary_file(f, policy=email.policy.compat32), path.name)])
+    if name.endswith((".pst", ".ost", ".olm")):
+        raise DataError(f"{path} is an Outlook archive, which this tool cannot read; export the folders as mbox "
+                        f"(e.g. with Thunderbird's ImportExportTools, or readpst -r from libpst) and pass that.")
+    raise DataError(f"Don't know how to read {path}: expected a mail folder, .jsonl(.gz), .parquet, an mbox file or "
+                    f"an .eml file.")
 
 
 def _looks_like_mbox(path: Path) -> bool:

@@ -19,7 +19,7 @@ from .data import DataError, EmailDB, read_jsonl, read_parquet
 
 @dataclass(frozen=True)
 class Question:
-    id: int
+    id: int | str  # kept as the question file gives it: 17 and "q-17" both work
     question: str
     answer: str
     message_ids: list[str]
@@ -29,14 +29,40 @@ class Question:
     split: str
 
 
+def question_id(value) -> int | str:
+    """An id as given: an integer (17, or 17.0 from a float column) or a non-empty string ("q-17"); else ValueError."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"id must be an integer or a non-empty string, not {value!r}")
+
+
+def id_sort_key(value) -> tuple:
+    """Sort mixed ids as SQLite does: integers first, in numeric order, then strings."""
+    return (0, value, "") if isinstance(value, int) else (1, 0, str(value))
+
+
 def normalize_question(raw: dict) -> Question:
-    """A record with the Hugging Face `corbt/enron_emails_sample_questions` fields -> Question (ValueError if malformed)."""
+    """A record with the Hugging Face `corbt/enron_emails_sample_questions` fields -> Question.
+
+    Raises ValueError with a short reason (shown in the build summary) if the record is malformed.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"not an object: {str(raw)[:40]!r}")
+    if "_error" in raw:
+        raise ValueError(raw["_error"])
+    missing = [k for k in ("id", "question", "answer", "message_ids", "inbox_address", "query_date") if raw.get(k) is None]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
     try:
         message_ids = raw["message_ids"]
         if isinstance(message_ids, str):
             message_ids = json.loads(message_ids) if message_ids.startswith("[") else [message_ids]
         question = Question(
-            id=int(raw["id"]),
+            id=question_id(raw["id"]),
             question=str(raw["question"]).strip(),
             answer=str(raw["answer"]).strip(),
             message_ids=[str(m).strip() for m in message_ids],
@@ -46,9 +72,10 @@ def normalize_question(raw: dict) -> Question:
             split=str(raw.get("split") or "train"),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed question: {exc}") from exc
-    if not (question.question and question.answer and question.message_ids and question.inbox_address):
-        raise ValueError("malformed question: empty field")
+        raise ValueError(f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)) from exc
+    empty = [k for k in ("question", "answer", "message_ids", "inbox_address") if not getattr(question, k)]
+    if empty:
+        raise ValueError(f"empty {', '.join(empty)}")
     return question
 
 

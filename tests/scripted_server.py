@@ -4,8 +4,9 @@ Each question (the first user message) has a script: a list of replies, one per 
 may also be keyed by model name first ({model: {question: script}}), and "*" is the script for any other
 question (e.g. a judge's reply). A reply is
 a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args), ...]} for several,
-{"text": "..."} for plain text, {"status": 500} for an HTTP error, {"sleep": s} to stall. A question with
-no script gets {"status": 404}. Tests and benches use it; the real model path is the CPU backend.
+{"text": "..."} for plain text, {"status": 500} for an HTTP error, {"sleep": s} to stall. A script may
+also be a function of the request body that returns one reply (for replies that depend on the prompt or on
+earlier calls). A question with no script gets {"status": 404}. Tests and benches use it; the real model path is the CPU backend.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class ScriptedServer:
         messages = body["messages"]
         question = next(m["content"] for m in messages if m["role"] == "user")
         scripts = self.scripts.get(body["model"], self.scripts)
-        script = scripts.get(question, scripts.get("*"))
+        script = scripts if callable(scripts) else scripts.get(question, scripts.get("*"))
         turn = sum(m["role"] == "assistant" for m in messages)
+        if callable(script):
+            script = [None] * turn + [script(body)]
         if script is None or turn >= len(script):
             return web.json_response({"error": {"message": "no script for this turn"}}, status=404)
         reply = script[turn]

@@ -1,0 +1,499 @@
+"""Writing a question set for any inbox with an LLM, as ART·E made its own (art.md A6).
+
+Owns: batching one inbox's emails, the prompt, calling the model (any litellm name, or any OpenAI-compatible
+endpoint with `base_url`), validating every candidate against the database, the train/test split, and
+writing the accepted questions into the database's `questions` table in one transaction. It sits beside
+`build` (above `data` and `questions`); the CLI's `generate-questions` is a thin layer over `generate_questions`.
+
+What is guaranteed:
+- Nothing fabricated is stored: a candidate must cite emails that exist, belong to the inbox and were in the
+  batch the model saw; its query_date is on or after every cited email; no field is empty; near-duplicates
+  of a stored or accepted question are dropped. Every rejection is counted by reason.
+- No email is cited by both a train and a test question (the split is by connected groups of emails).
+- A killed run stores no question: they are written in one transaction at the end. The model's replies are
+  cached per batch beside the database, so a re-run pays only for batches it has not seen and adds only
+  questions not already stored. `replace=True` deletes every stored question and the cache first.
+Left out: judging whether an answer is *true* to its emails (a second LLM pass would be needed), and
+spreading questions over inboxes by the inbox split ART·E used (we split by emails instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import re
+import sqlite3
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import date, timedelta
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .data import DataError
+
+log = logging.getLogger(__name__)
+
+PROMPT_VERSION = 1  # part of the cache key: a changed prompt must not reuse old replies
+BODY_CHARS = 1500  # per email in the prompt; 20 emails stay well inside a 32k-token context
+NEAR_DUPLICATE = 0.8  # Jaccard similarity of two questions' word sets at which the later one is dropped
+
+# ---- ALGO LOGIC: the generation prompt (a place to tune) ----------------------------------------------
+SYSTEM_PROMPT = """You write questions that the owner of an email inbox might realistically ask a search assistant
+about their own mail, each answered by the emails you are shown.
+Rules:
+- Each question must be answerable from the cited emails alone, with a short, specific answer (a name, number,
+  date, place, decision). Do not ask about anything the emails do not state.
+- Phrase questions as the inbox owner would, without copying whole sentences from the email.
+- Cite the email(s) holding the answer by copying their id exactly from <email id="...">.
+- how_realistic: from 0 to 1, how likely a real person is to ask this question of their inbox.
+- Write up to {n} questions; fewer, or none, if the emails hold nothing worth asking (newsletters, spam).
+Reply with JSON only, no prose:
+{{"questions": [{{"question": "...", "answer": "...", "message_ids": ["..."], "how_realistic": 0.8}}]}}"""
+# ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GenerateConfig:
+    model: str  # any litellm name: openai/gpt-4.1, anthropic/..., hosted_vllm/<served name> with base_url
+    base_url: str | None = None  # an OpenAI-compatible endpoint (a litellm proxy, vLLM)
+    api_key: str | None = None  # from the environment; never logged
+    inboxes: list[str] = field(default_factory=list)  # empty: the largest inbox
+    max_questions: int = 0  # stop once this many new questions are accepted (0: every batch)
+    batch_size: int = 20  # emails the model sees at once (ART·E: 20)
+    questions_per_batch: int = 5  # asked for in the prompt
+    test_fraction: float = 0.2
+    min_realistic: float = 0.0  # reject candidates the model itself rates less realistic than this
+    seed: int = 0  # batch order, query dates, split
+    replace: bool = False  # delete every stored question (and the reply cache) first
+    temperature: float = 0.5  # ART·E's
+    max_tokens: int = 4000
+    retries: int = 3  # tries per batch for API errors and replies that are not JSON in the schema
+    concurrency: int = 4  # batches in flight
+    timeout: float = 120.0
+
+
+@dataclass
+class GenerateSummary:
+    inboxes: list[str]
+    batches: int = 0  # batches used (asked or from the cache)
+    cached: int = 0  # of which answered from the cache
+    candidates: int = 0
+    added: dict[str, int] = field(default_factory=dict)  # split -> new questions stored
+    rejected: Counter = field(default_factory=Counter)  # reason -> candidates
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> the first rejected question
+    failed_batches: Counter = field(default_factory=Counter)  # reason -> batches with no usable reply
+    cost_usd: float | None = 0.0  # of this run's requests; None: litellm knows no price for this model
+    total: dict[str, int] = field(default_factory=dict)  # split -> questions in the database afterwards
+
+    def lines(self) -> list[str]:
+        added = ", ".join(f"{n} {s}" for s, n in sorted(self.added.items())) or "none"
+        total = ", ".join(f"{n} {s}" for s, n in sorted(self.total.items())) or "none"
+        cost = "unknown (litellm has no price for this model)" if self.cost_usd is None else f"${self.cost_usd:.4f}"
+        out = [f"inboxes     {', '.join(self.inboxes)}",
+               f"batches     {self.batches} ({self.cached} from the cache)",
+               f"candidates  {self.candidates}: added {added}; rejected {sum(self.rejected.values())}",
+               *(f"  rejected {n:>4}  {reason}  (e.g. {self.examples[reason]!r})"
+                 for reason, n in self.rejected.most_common()),
+               *(f"  failed batches {n:>3}  {reason}" for reason, n in self.failed_batches.most_common()),
+               f"cost        {cost}",
+               f"questions   {total} in the database"]
+        return out
+
+
+@dataclass
+class Batch:
+    inbox: str
+    emails: list[dict]  # message_id, date, subject, from_address, to, body
+
+    def key(self, cfg: GenerateConfig) -> str:
+        ids = [e["message_id"] for e in self.emails]
+        raw = json.dumps([PROMPT_VERSION, cfg.model, cfg.temperature, cfg.questions_per_batch, self.inbox, ids])
+        return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+class Reject(Exception):
+    """A candidate that is not stored; the message is the reason counted in the summary."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The database side: inboxes, batches, stored questions, the final write
+# ----------------------------------------------------------------------------------------------
+
+def open_for_writing(db_path: str | Path) -> sqlite3.Connection:
+    """A read-write connection (EmailDB is read-only). Readers (a training run) keep reading meanwhile:
+    the rollback journal lets them in until the single short commit at the end, which waits for them."""
+    path = Path(db_path)
+    if not path.is_file():
+        raise DataError(f"No database at {path}; run `python train_email_search_agent.py build-db --emails ...` first.")
+    conn = sqlite3.connect(path, timeout=60, isolation_level=None)
+    try:
+        conn.execute("SELECT 1 FROM emails, mailbox, questions LIMIT 1").fetchall()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise DataError(f"{path} is not an email database built by this tool ({exc}); rebuild it with build-db.") from None
+    return conn
+
+
+def pick_inboxes(conn, wanted: list[str]) -> list[str]:
+    largest = [a for a, in conn.execute("SELECT address FROM mailbox GROUP BY address ORDER BY COUNT(*) DESC, "
+                                        "address LIMIT 5")]
+    if not wanted:
+        return largest[:1]
+    inboxes = []
+    for address in wanted:
+        address = address.strip().lower()
+        if conn.execute("SELECT 1 FROM mailbox WHERE address = ? LIMIT 1", (address,)).fetchone() is None:
+            raise DataError(f"No mail sent or received by {address} in this database; the largest inboxes are "
+                            f"{', '.join(largest)}.")
+        inboxes.append(address)
+    return inboxes
+
+
+def make_batches(conn, inboxes: list[str], batch_size: int, seed: int) -> list[Batch]:
+    """Each inbox's emails in date order, cut into batches (neighbours in time make coherent questions);
+    the batches then shuffled with `seed`, so --max-questions samples the whole span of every inbox."""
+    batches = []
+    for inbox in inboxes:
+        rows = conn.execute(
+            "SELECT e.id, e.message_id, e.date, e.subject, e.from_address, e.body FROM emails e "
+            "JOIN mailbox m ON m.email_id = e.id WHERE m.address = ? AND trim(e.body) != '' "
+            "ORDER BY e.date, e.message_id", (inbox,)).fetchall()
+        emails = []
+        for email_id, message_id, when, subject, sender, body in rows:
+            to = [a for a, in conn.execute("SELECT address FROM recipients WHERE email_id = ? ORDER BY rowid LIMIT 6",
+                                           (email_id,))]
+            emails.append({"message_id": message_id, "date": when, "subject": subject, "from_address": sender,
+                           "to": to, "body": body})
+        batches += [Batch(inbox, emails[i:i + batch_size]) for i in range(0, len(emails), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def stored_questions(conn) -> list[dict]:
+    rows = conn.execute("SELECT id, question, message_ids, inbox_address, split FROM questions")
+    return [{"id": i, "question": q, "message_ids": json.loads(m), "inbox": a, "split": s} for i, q, m, a, s in rows]
+
+
+def write_questions(conn, accepted: list[dict], cfg: GenerateConfig) -> None:
+    """All new questions in one transaction: a crash or kill before COMMIT leaves the table as it was."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(questions)")}
+        for column, kind in (("model", "TEXT"), ("temperature", "REAL")):  # databases built before these existed
+            if column not in columns:
+                conn.execute(f"ALTER TABLE questions ADD COLUMN {column} {kind}")
+        if cfg.replace:
+            conn.execute("DELETE FROM questions")
+        next_id = (conn.execute("SELECT MAX(id) FROM questions WHERE typeof(id) = 'integer'").fetchone()[0] or 0) + 1
+        for offset, q in enumerate(accepted):
+            conn.execute("INSERT INTO questions (id, question, answer, message_ids, how_realistic, inbox_address, "
+                         "query_date, split, gold_in_db, model, temperature) VALUES (?,?,?,?,?,?,?,?,1,?,?)",
+                         (next_id + offset, q["question"], q["answer"], json.dumps(q["message_ids"]),
+                          q["how_realistic"], q["inbox"], q["query_date"], q["split"], cfg.model, cfg.temperature))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+# ----------------------------------------------------------------------------------------------
+# The model side: prompt, reply parsing, the cached call
+# ----------------------------------------------------------------------------------------------
+
+def cut_body(body: str, limit: int = BODY_CHARS) -> str:
+    """The start of a body, cut at a word boundary; quoted replies and long signatures are what gets lost."""
+    body = re.sub(r"\n{3,}", "\n\n", body.strip())
+    if len(body) <= limit:
+        return body
+    cut = body[:limit]
+    return cut[:cut.rfind(" ")] if " " in cut[limit // 2:] else cut + " [...]"
+
+
+def batch_prompt(batch: Batch, cfg: GenerateConfig) -> list[dict]:
+    parts = [f"The inbox belongs to {batch.inbox}. Its emails ({len(batch.emails)}, oldest first):"]
+    for e in batch.emails:
+        to = ", ".join(e["to"]) or "(none)"
+        parts.append(f'<email id="{e["message_id"]}">\nDate: {e["date"]} UTC\nFrom: {e["from_address"]}\nTo: {to}\n'
+                     f'Subject: {e["subject"]}\n\n{cut_body(e["body"])}\n</email>')
+    return [{"role": "system", "content": SYSTEM_PROMPT.format(n=cfg.questions_per_batch)},
+            {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def parse_reply(text: str) -> list:
+    """The model's reply -> its list of candidates; ValueError if it is not JSON of the asked shape (retried)."""
+    text = re.sub(r"^```(?:json)?\s*|\s*```$", "", (text or "").strip())  # models like to fence JSON
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        raise ValueError("reply is not JSON")
+    try:
+        reply = json.loads(text[start:end + 1])
+    except json.JSONDecodeError:
+        raise ValueError("reply is not JSON") from None
+    if not isinstance(reply, dict) or not isinstance(reply.get("questions"), list):
+        raise ValueError('reply has no "questions" list')
+    return reply["questions"]
+
+
+class ReplyCache:
+    """Model replies by batch key, one JSON line each, appended as they arrive (a torn last line is ignored)."""
+
+    def __init__(self, path: Path, fresh: bool):
+        self.path = path
+        self.replies: dict[str, dict] = {}
+        if fresh:
+            path.unlink(missing_ok=True)
+        elif path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                    self.replies[row["key"]] = row
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+
+    def add(self, row: dict) -> None:
+        self.replies[row["key"]] = row
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def cache_path(db_path: str | Path) -> Path:
+    return Path(str(db_path) + ".questions-cache.jsonl")
+
+
+async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dict:
+    """{"questions": [...], "cost": float | None, "cached": bool} or {"error": reason} after cfg.retries tries."""
+    key = batch.key(cfg)
+    if key in cache.replies:
+        return {**cache.replies[key], "cached": True}
+    import litellm
+
+    litellm.suppress_debug_info = True
+    params = {"api_base": cfg.base_url, "api_key": cfg.api_key or ("none" if cfg.base_url else None),
+              "timeout": cfg.timeout}
+    error = "no reply"
+    for attempt in range(cfg.retries):
+        try:
+            response = await litellm.acompletion(model=cfg.model, messages=batch_prompt(batch, cfg),
+                                                 temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                                 **{k: v for k, v in params.items() if v is not None})
+        except Exception as exc:  # network, auth, rate limit: retried, then counted (never with the key)
+            error = f"API error: {type(exc).__name__}"
+            log.warning("batch %s: %s: %s", key[:8], error, _scrub(str(exc)[:300], cfg.api_key))
+            if attempt + 1 < cfg.retries:
+                await asyncio.sleep(min(2 ** attempt, 10))
+            continue
+        try:
+            questions = parse_reply(response.choices[0].message.content)
+        except ValueError as exc:
+            error = str(exc)
+            log.info("batch %s try %d: %s", key[:8], attempt + 1, error)
+            continue
+        try:
+            with warnings.catch_warnings():  # litellm's own pydantic serializer warnings are noise to the user
+                warnings.simplefilter("ignore")
+                cost = float(litellm.completion_cost(completion_response=response))
+        except Exception:  # litellm raises for models it has no price for
+            cost = None
+        row = {"key": key, "questions": questions, "cost": cost}
+        cache.add(row)
+        return {**row, "cached": False}
+    return {"error": error}
+
+
+def _scrub(text: str, secret: str | None) -> str:
+    return text.replace(secret, "[key]") if secret else text
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation and the split
+# ----------------------------------------------------------------------------------------------
+
+def words(text: str) -> frozenset:
+    return frozenset(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def is_near_duplicate(a: frozenset, b: frozenset) -> bool:
+    return a == b or (bool(a | b) and len(a & b) / len(a | b) >= NEAR_DUPLICATE)
+
+
+def check_candidate(item, batch: Batch, conn, cfg: GenerateConfig, rng: random.Random) -> dict:
+    """One candidate from the model -> a question row, or Reject(reason)."""
+    if not isinstance(item, dict):
+        raise Reject("not a JSON object")
+    question, answer = item.get("question"), item.get("answer")
+    if not isinstance(question, str) or not question.strip() or not isinstance(answer, str) or not answer.strip():
+        raise Reject("empty or missing question/answer")
+    ids = item.get("message_ids")
+    if isinstance(ids, str):
+        ids = [ids]
+    if not isinstance(ids, list) or not ids or not all(isinstance(m, str) and m.strip() for m in ids):
+        raise Reject("no message_ids")
+    ids = list(dict.fromkeys(m.strip() for m in ids))
+    realistic = item.get("how_realistic")
+    if isinstance(realistic, bool) or not isinstance(realistic, (int, float)) or not 0 <= realistic <= 1:
+        raise Reject("how_realistic missing or not in 0..1")
+    shown = {e["message_id"]: e for e in batch.emails}
+    for mid in ids:
+        if mid in shown:
+            continue
+        row = conn.execute("SELECT id FROM emails WHERE message_id = ?", (mid,)).fetchone()
+        if row is None:
+            raise Reject("cites an email that does not exist (fabricated id)")
+        if conn.execute("SELECT 1 FROM mailbox WHERE address = ? AND email_id = ?", (batch.inbox, row[0])).fetchone() is None:
+            raise Reject("cites an email outside the inbox")
+        raise Reject("cites an email the model was not shown")
+    latest = max(date.fromisoformat(shown[m]["date"][:10]) for m in ids)
+    if item.get("query_date") is not None:  # the model may propose one; it must not predate the evidence
+        try:
+            query_date = date.fromisoformat(str(item["query_date"]).strip()[:10])
+        except ValueError:
+            raise Reject("unparseable query_date") from None
+        if query_date < latest:
+            raise Reject("query_date before a cited email")
+    else:  # ART·E: the latest cited email's date plus 1-30 days
+        query_date = latest + timedelta(days=rng.randint(1, 30))
+    if realistic < cfg.min_realistic:
+        raise Reject("how_realistic below --min-realistic")
+    return {"question": question.strip(), "answer": answer.strip(), "message_ids": ids,
+            "how_realistic": float(realistic), "inbox": batch.inbox, "query_date": query_date.isoformat()}
+
+
+def assign_splits(new: list[dict], stored: list[dict], test_fraction: float, seed: int) -> list[dict]:
+    """Give each new question a split so that no email is cited by both a train and a test question.
+
+    Questions that share a cited email form a group (union-find over emails); a group joined to stored
+    questions takes their split, the other groups go to test in seeded order until test_fraction of the new
+    questions are test. A new question linking a stored train and a stored test question cannot be placed:
+    it gets split None (rejected by the caller).
+    """
+    parent: dict[str, str] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = x = parent[parent[x]]
+        return x
+
+    for q in stored + new:
+        first = find(q["message_ids"][0])
+        for mid in q["message_ids"][1:]:
+            parent[find(mid)] = first
+    fixed: dict[str, set] = {}
+    for q in stored:
+        fixed.setdefault(find(q["message_ids"][0]), set()).add(q["split"])
+    groups: dict[str, list[dict]] = {}
+    for q in new:
+        groups.setdefault(find(q["message_ids"][0]), []).append(q)
+    free = []
+    for root, members in groups.items():
+        splits = fixed.get(root)
+        if splits is None:
+            free.append(members)
+            continue
+        for q in members:
+            q["split"] = next(iter(splits)) if len(splits) == 1 else None
+    free.sort(key=lambda members: members[0]["message_ids"][0])
+    random.Random(seed).shuffle(free)
+    target, test = round(test_fraction * len(new)), 0
+    for members in free:
+        split = "test" if test + len(members) <= target else "train"
+        test += len(members) if split == "test" else 0
+        for q in members:
+            q["split"] = split
+    return new
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole run
+# ----------------------------------------------------------------------------------------------
+
+def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bool = True) -> GenerateSummary:
+    """Generate, validate, split and store questions for cfg.inboxes; see the module docstring for guarantees."""
+    if not 0 <= cfg.test_fraction < 1:
+        raise DataError(f"--test-fraction must be in [0, 1), not {cfg.test_fraction}")
+    if cfg.batch_size < 1 or cfg.max_questions < 0:
+        raise DataError("--batch-size must be at least 1 and --max-questions at least 0")
+    conn = open_for_writing(db_path)
+    try:
+        summary = GenerateSummary(inboxes=pick_inboxes(conn, cfg.inboxes))
+        batches = make_batches(conn, summary.inboxes, cfg.batch_size, cfg.seed)
+        if not batches:
+            raise DataError(f"No emails with a body in the inbox of {', '.join(summary.inboxes)}.")
+        stored = [] if cfg.replace else stored_questions(conn)
+        cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
+        accepted = asyncio.run(_run(batches, conn, cfg, cache, stored, summary, progress))
+        if cfg.max_questions:
+            accepted = accepted[:cfg.max_questions]
+        if summary.failed_batches and summary.batches == sum(summary.failed_batches.values()):
+            reason = summary.failed_batches.most_common(1)[0][0]
+            raise DataError(f"{cfg.model} gave no usable reply for any of {summary.batches} batches ({reason}); "
+                            f"check the model name, --base-url and the API key in the environment.")
+        placed = [q for q in assign_splits(accepted, stored, cfg.test_fraction, cfg.seed) if q["split"]]
+        for q in accepted:
+            if q["split"] is None:
+                _reject(summary, "cites emails of both a stored train and a stored test question", q["question"])
+        write_questions(conn, placed, cfg)
+        summary.added = dict(Counter(q["split"] for q in placed))
+        summary.total = dict(conn.execute("SELECT split, COUNT(*) FROM questions GROUP BY split").fetchall())
+        return summary
+    finally:
+        conn.close()
+
+
+def _reject(summary: GenerateSummary, reason: str, question) -> None:
+    summary.rejected[reason] += 1
+    summary.examples.setdefault(reason, str(question)[:80])
+
+
+async def _run(batches, conn, cfg, cache, stored, summary, progress) -> list[dict]:
+    """Ask for batches `concurrency` at a time and validate their replies in batch order (so a run is
+    reproducible whatever order replies arrive in), until every batch is used or enough are accepted."""
+    seen: dict[str, list] = {}  # inbox -> word sets of stored and accepted questions
+    exact = {(q["inbox"], " ".join(sorted(words(q["question"])))) for q in stored}
+    for q in stored:
+        seen.setdefault(q["inbox"], []).append(words(q["question"]))
+    accepted: list[dict] = []
+    costs: list[float | None] = []
+    bar = tqdm(total=len(batches), unit=" batch", desc="generating", disable=not progress)
+    try:
+        for start in range(0, len(batches), cfg.concurrency):
+            if cfg.max_questions and len(accepted) >= cfg.max_questions:
+                break
+            window = batches[start:start + cfg.concurrency]
+            replies = await asyncio.gather(*(ask_model(b, cfg, cache) for b in window))
+            for batch, reply in zip(window, replies):
+                summary.batches += 1
+                bar.update()
+                if "error" in reply:
+                    summary.failed_batches[reply["error"]] += 1
+                    continue
+                summary.cached += reply["cached"]
+                if not reply["cached"]:
+                    costs.append(reply["cost"])
+                rng = random.Random(f"{cfg.seed}:{reply['key']}")  # the same dates when a cached batch is re-read
+                for item in reply["questions"]:
+                    summary.candidates += 1
+                    text = item.get("question") if isinstance(item, dict) else item
+                    try:
+                        q = check_candidate(item, batch, conn, cfg, rng)
+                        ws = words(q["question"])
+                        if (q["inbox"], " ".join(sorted(ws))) in exact:
+                            raise Reject("already in the database")
+                        if any(is_near_duplicate(ws, other) for other in seen.get(q["inbox"], [])):
+                            raise Reject("near-duplicate of another question")
+                    except Reject as exc:
+                        _reject(summary, str(exc), text)
+                        continue
+                    seen.setdefault(q["inbox"], []).append(ws)
+                    accepted.append(q)
+            known = [c for c in costs if c is not None]
+            summary.cost_usd = sum(known) if known or not costs else None  # nothing asked: nothing spent
+            bar.set_postfix_str(f"accepted={len(accepted)} rejected={sum(summary.rejected.values())}"
+                                + (f" cost=${summary.cost_usd:.4f}" if summary.cost_usd is not None else ""))
+    finally:
+        bar.close()
+    return accepted

@@ -1,0 +1,262 @@
+"""generate-questions: an LLM (the scripted server) writes questions; every candidate is checked before it is stored."""
+
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from datetime import date, timedelta
+
+import pytest
+
+from conftest import ROOT
+from email_agent import generate
+from email_agent.build import build_database
+from email_agent.data import DataError, EmailDB
+from email_agent.questions import select_questions
+from scripted_server import serve_in_thread
+
+ALICE, BOB = "alice@x.com", "bob@y.com"
+
+
+def email(i, sender, to, day, body):
+    return {"message_id": f"<m{i}@x>", "date": f"2024-01-{day:02d}T09:00:00Z", "subject": f"note {i}",
+            "from_address": sender, "to_addresses": [to], "body": body}
+
+
+@pytest.fixture()
+def db_path(tmp_path):
+    """Alice's inbox: 12 emails over 12 days (3 batches of 4); Bob's: 3 emails Alice never saw."""
+    emails = [email(i, f"friend{i % 3}@z.com", ALICE, i + 1, f"The code word for project {i} is word{i}.")
+              for i in range(12)]
+    emails += [email(100 + i, BOB, "carol@y.com", 5, f"Bob's secret number {i}.") for i in range(3)]
+    emails.append(email(200, ALICE, "dave@z.com", 20, ""))  # no body: never shown to the model
+    path = tmp_path / "inbox.db"
+    build_database(emails, [], path, source="test", progress=False)
+    return path
+
+
+def shown_ids(body):
+    return re.findall(r'<email id="([^"]+)">', body["messages"][-1]["content"])
+
+
+def good_and_bad(body):
+    """For each batch: 2 good questions and one of every kind of bad candidate."""
+    ids = shown_ids(body)
+    n = [int(m[2:-3]) for m in ids]
+    outside = next(f"<m{i}@x>" for i in range(12) if f"<m{i}@x>" not in ids)
+    questions = [
+        {"question": f"What is the code word for project {n[0]}?", "answer": f"word{n[0]}", "message_ids": [ids[0]],
+         "how_realistic": 0.9},
+        {"question": f"Which code words were set for projects {n[1]} and {n[2]}?", "answer": f"word{n[1]}, word{n[2]}",
+         "message_ids": [ids[1], ids[2]], "how_realistic": 0.7},
+        {"question": "What did the fabricated email say?", "answer": "x", "message_ids": ["<made-up@x>"],
+         "how_realistic": 0.9},
+        {"question": "What is Bob's secret number?", "answer": "0", "message_ids": ["<m100@x>"], "how_realistic": 0.9},
+        {"question": "What is in an email not shown?", "answer": "y", "message_ids": [outside], "how_realistic": 0.9},
+        {"question": f"Asked before project {n[3]} mail arrived?", "answer": "z", "message_ids": [ids[3]],
+         "how_realistic": 0.9, "query_date": "2023-12-31"},
+        {"question": "", "answer": "empty question", "message_ids": [ids[0]], "how_realistic": 0.9},
+        {"question": f"what is the CODE word for project {n[0]}", "answer": f"word{n[0]}", "message_ids": [ids[0]],
+         "how_realistic": 0.9},  # a near-duplicate of the first
+        {"question": f"Is project {n[3]} real?", "answer": "yes", "message_ids": [ids[3]], "how_realistic": 1.5},
+        "not an object",
+    ]
+    return {"text": "```json\n" + json.dumps({"questions": questions}) + "\n```"}
+
+
+def config(base_url, **over):
+    return generate.GenerateConfig(**{"model": "hosted_vllm/gen", "base_url": base_url, "inboxes": [ALICE],
+                                      "batch_size": 4, "test_fraction": 0.34, "retries": 2, **over})
+
+
+def stored(path):
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute("SELECT id, question, message_ids, inbox_address, query_date, split, model, temperature, "
+                            "gold_in_db FROM questions ORDER BY id").fetchall()
+    finally:
+        conn.close()
+    return [dict(zip(("id", "question", "message_ids", "inbox", "query_date", "split", "model", "temperature",
+                      "gold_in_db"), r[:2] + (json.loads(r[2]),) + r[3:])) for r in rows]
+
+
+def test_only_valid_candidates_are_stored_and_rejections_are_counted(db_path):
+    reader = EmailDB(db_path)  # a reader (a training run) open while questions are written
+    calls: dict[str, int] = {}
+
+    def flaky(body):  # each batch's first reply is not JSON: it is retried
+        key = shown_ids(body)[0]
+        calls[key] = calls.get(key, 0) + 1
+        return {"text": "Sure! Here are some questions:"} if calls[key] == 1 else good_and_bad(body)
+
+    with serve_in_thread({"gen": flaky}) as server:
+        summary = generate.generate_questions(db_path, config(server.base_url), progress=False)
+    assert len(server.requests) == 6 and summary.batches == 3 and not summary.failed_batches
+    assert server.requests[0]["temperature"] == 0.5
+    assert summary.candidates == 30 and sum(summary.added.values()) == 6
+    assert summary.rejected == {
+        "cites an email that does not exist (fabricated id)": 3, "cites an email outside the inbox": 3,
+        "cites an email the model was not shown": 3, "query_date before a cited email": 3,
+        "empty or missing question/answer": 3, "near-duplicate of another question": 3,
+        "how_realistic missing or not in 0..1": 3, "not a JSON object": 3}
+    text = "\n".join(summary.lines())
+    assert "fabricated id)  (e.g. 'What did the fabricated email say?')" in text
+    rows = stored(db_path)
+    assert len(rows) == 6 and all(r["model"] == "hosted_vllm/gen" and r["temperature"] == 0.5 for r in rows)
+    for r in rows:
+        assert r["inbox"] == ALICE and r["gold_in_db"] == 1
+        for mid in r["message_ids"]:
+            email_date = reader.read(mid, inbox=ALICE).date[:10]
+            assert r["query_date"] >= email_date  # asked on or after every cited email
+        latest = max(date.fromisoformat(reader.read(m).date[:10]) for m in r["message_ids"])
+        assert latest < date.fromisoformat(r["query_date"]) <= latest + timedelta(days=30)  # ART·E's 1-30 days
+    assert len(select_questions(reader, "train")) + len(select_questions(reader, "test")) == 6  # the reader sees them
+    reader.close()
+
+
+def test_cost_is_counted_where_litellm_knows_the_price(db_path):
+    with serve_in_thread({"gpt-4o-mini": good_and_bad}) as server:
+        summary = generate.generate_questions(db_path, config(server.base_url, model="openai/gpt-4o-mini"),
+                                              progress=False)
+        assert summary.cost_usd > 0 and "cost        $" in "\n".join(summary.lines())
+        again = generate.generate_questions(db_path, config(server.base_url, model="openai/gpt-4o-mini"),
+                                            progress=False)
+    assert again.cached == 3 and again.cost_usd == 0 and sum(again.added.values()) == 0
+    assert again.rejected["already in the database"] == 9  # the 6 stored and their 3 rephrasings
+
+
+def test_split_never_shares_an_email_between_train_and_test():
+    import random
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        ids = [f"<{i}>" for i in range(25)]
+        stored_qs = [{"message_ids": rng.sample(ids[:10], rng.randint(1, 2)), "split": rng.choice(["train", "test"])}
+                     for _ in range(3)]
+        new = [{"message_ids": rng.sample(ids, rng.randint(1, 3))} for _ in range(20)]
+        placed = generate.assign_splits(new, stored_qs, 0.3, seed)
+        everything = [q for q in placed if q["split"]] + stored_qs
+        train = {m for q in everything if q["split"] == "train" for m in q["message_ids"]}
+        test = {m for q in everything if q["split"] == "test" for m in q["message_ids"]}
+        if not any(set(a["message_ids"]) & set(b["message_ids"]) for a in stored_qs for b in stored_qs
+                   if a["split"] != b["split"]):
+            assert not train & test, seed
+    # separate emails: the test share is met
+    placed = generate.assign_splits([{"message_ids": [f"<{i}>"]} for i in range(10)], [], 0.3, 0)
+    assert sum(q["split"] == "test" for q in placed) == 3
+
+
+def test_replies_that_never_parse_are_counted_and_all_failures_are_one_error(db_path, capsys):
+    with serve_in_thread({"gen": lambda body: {"text": '{"answers": []}'}}) as server:
+        with pytest.raises(DataError, match='no usable reply for any of 3 batches \\(reply has no "questions" list\\)'):
+            generate.generate_questions(db_path, config(server.base_url), progress=False)
+    assert len(server.requests) == 6 and stored(db_path) == []
+
+
+def test_a_model_that_fails_for_some_batches_loses_only_those(db_path):
+    def some(body):
+        return {"status": 500} if "<m0@x>" in shown_ids(body) else good_and_bad(body)
+
+    with serve_in_thread({"gen": some}) as server:
+        summary = generate.generate_questions(db_path, config(server.base_url), progress=False)
+    assert list(summary.failed_batches.items()) == [("API error: InternalServerError", 1)]
+    assert sum(summary.added.values()) == 4  # two batches' good questions
+
+
+def run_cli(*args, env=None):
+    return subprocess.Popen([sys.executable, str(ROOT / "train_email_search_agent.py"), "generate-questions", *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_run_stores_nothing_and_rerun_adds_only_new(db_path, sig):
+    cache = generate.cache_path(db_path)
+    slow = {"on": True, "calls": 0}
+
+    def reply(body):  # the third request stalls while slow["on"]: the run is killed waiting for it
+        slow["calls"] += 1
+        if slow["on"] and slow["calls"] == 3:
+            return {"sleep": 30, **good_and_bad(body)}
+        return good_and_bad(body)
+
+    with serve_in_thread({"gen": reply}) as server:
+        args = ["--db", db_path, "--model", "hosted_vllm/gen", "--base-url", server.base_url, "--inbox", ALICE,
+                "--batch-size", 4, "--concurrency", 1, "--quiet"]
+        proc = run_cli(*args)
+        deadline = time.time() + 60
+        while time.time() < deadline and not (cache.exists() and len(cache.read_text().splitlines()) == 2):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode in (-9, 130), err
+        assert stored(db_path) == []  # nothing half-done
+        assert "Traceback" not in err
+        conn = sqlite3.connect(db_path)
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        conn.close()
+        if sig == signal.SIGTERM:
+            assert "interrupted" in err
+            return
+
+        slow["on"] = False
+        before = len(server.requests)
+        proc = run_cli(*args)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert len(server.requests) - before == 1  # only the batch that had no cached reply
+        assert "(2 from the cache)" in out
+        first = stored(db_path)
+        assert len(first) == 6
+
+        proc = run_cli(*args)  # again: nothing new to add
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "already in the database" in out and stored(db_path) == first
+
+        before = len(server.requests)
+        proc = run_cli(*args, "--replace", "--seed", 1)  # starts over: every batch asked again
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert len(server.requests) - before == 3 and len(stored(db_path)) == 6 and "already" not in out
+
+
+def test_cli_errors_are_one_sentence_and_the_key_is_never_shown(db_path, tmp_path):
+    proc = run_cli("--db", tmp_path / "nope.db", "--model", "openai/x")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err.strip().splitlines()[-1].startswith("Error: No database at")
+    proc = run_cli("--db", db_path, "--model", "openai/x", "--inbox", "nobody@x.com")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and f"the largest inboxes are {ALICE}" in err and "Traceback" not in err
+    with serve_in_thread({"gen": lambda body: {"status": 401}}) as server:
+        proc = run_cli("--db", db_path, "--model", "hosted_vllm/gen", "--base-url", server.base_url, "--quiet",
+                       env={"QUESTIONS_API_KEY": "sk-very-secret-123"})
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "no usable reply" in err and "Traceback" not in err
+    assert "sk-very-secret-123" not in out + err
+    assert server.requests  # the key was sent, only never shown
+    assert stored(db_path) == []
+
+
+def test_databases_built_before_the_model_columns_still_work(db_path):
+    conn = sqlite3.connect(db_path)
+    conn.executescript("DROP TABLE questions; CREATE TABLE questions (id INTEGER PRIMARY KEY, question TEXT NOT NULL, "
+                       "answer TEXT NOT NULL, message_ids TEXT NOT NULL, how_realistic REAL, inbox_address TEXT NOT "
+                       "NULL, query_date TEXT NOT NULL, split TEXT NOT NULL, gold_in_db INTEGER NOT NULL);"
+                       "INSERT INTO questions VALUES (7, 'old?', 'a', '[\"<m5@x>\"]', 0.5, 'alice@x.com', "
+                       "'2024-02-01', 'test', 1);")
+    conn.close()
+    with serve_in_thread({"gen": good_and_bad}) as server:
+        summary = generate.generate_questions(db_path, config(server.base_url), progress=False)
+    rows = stored(db_path)
+    assert rows[0]["id"] == 7 and rows[0]["model"] is None and [r["id"] for r in rows[1:]] == list(range(8, 14))
+    # the new question citing <m5@x> (the old test question's email) goes to test too
+    assert all(r["split"] == "test" for r in rows if "<m5@x>" in r["message_ids"])
+    db = EmailDB(db_path)
+    assert len(select_questions(db, "train")) + len(select_questions(db, "test")) == 7
+    db.close()
+    assert sum(summary.added.values()) == 6

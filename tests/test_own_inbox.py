@@ -1,0 +1,99 @@
+"""The README's "Your own inbox" walkthrough, end to end, as a user types it: an mbox export -> build-db ->
+generate-questions (a scripted LLM writes the questions) -> evaluate (a scripted agent) -> a tiny CPU train."""
+
+import json
+import mailbox
+import re
+import subprocess
+import sys
+from email.message import EmailMessage
+
+import pytest
+
+from conftest import ROOT
+from email_agent import questions as qmod
+from email_agent.data import EmailDB
+from scripted_server import expert_script, serve_in_thread
+
+ME = "me@home.example"
+FRIENDS = ["ana@friends.example", "bo@work.example", "cy@club.example"]
+
+
+def write_mbox(path):
+    """16 emails as a mail client exports them: plain, HTML-only, with attachments; 12 received, 4 sent."""
+    box = mailbox.mbox(path)
+    for i in range(16):
+        msg = EmailMessage()
+        sent = i % 4 == 3
+        msg["From"], msg["To"] = (ME, FRIENDS[i % 3]) if sent else (f"Friend {i} <{FRIENDS[i % 3]}>", ME)
+        msg["Subject"] = f"Harbor locker {i}"
+        msg["Date"] = f"Mon, {i + 1:02d} Jan 2024 09:30:00 +0100"
+        msg["Message-ID"] = f"<locker{i}@home.example>"
+        fact = f"The code for Harbor locker {i} is {4000 + i * 37}."
+        if i % 2:
+            msg.set_content(f"<html><body><p>Hi!</p><p>{fact}</p></body></html>", subtype="html")
+        else:
+            msg.set_content(f"Hi!\n\n{fact}\n")
+            msg.add_attachment(b"%PDF-1.4 receipt", maintype="application", subtype="pdf", filename="r.pdf")
+        box.add(msg)
+    box.close()
+
+
+def writer(body):
+    """The scripted question writer: one question per email it is shown, citing that email."""
+    prompt = body["messages"][-1]["content"]
+    questions = []
+    for mid, n, code in re.findall(r'<email id="([^"]+)">.*?Harbor locker (\d+) is (\d+)', prompt, re.S):
+        questions.append({"question": f"What is the code for Harbor locker {n}?", "answer": code,
+                          "message_ids": [mid], "how_realistic": 0.8})
+    return {"text": json.dumps({"questions": questions})}
+
+
+def command(script, *args):
+    result = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def walkthrough(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("own")
+    write_mbox(tmp / "my.mbox")
+    built = command("train_email_search_agent.py", "build-db", "--emails", tmp / "my.mbox", "--db", tmp / "my.db",
+                    "--quiet")
+    assert re.search(r"^emails\s+16 ", built.stdout, re.M)
+    agent: dict = {}
+    with serve_in_thread({"gen": writer, "scripted": agent}) as server:
+        generated = command("train_email_search_agent.py", "generate-questions", "--db", tmp / "my.db", "--model",
+                            "hosted_vllm/gen", "--base-url", server.base_url, "--inbox", ME, "--batch-size", 8,
+                            "--test-fraction", 0.25, "--quiet")
+        yield tmp, server, agent, generated
+
+
+def test_walkthrough_build_generate_evaluate(walkthrough):
+    tmp, server, agent, generated = walkthrough
+    assert "candidates  16: added 4 test, 12 train; rejected 0" in generated.stdout
+    db = EmailDB(tmp / "my.db")
+    test_qs = qmod.select_questions(db, "test")
+    train_qs = qmod.select_questions(db, "train")
+    assert len(test_qs) == 4 and len(train_qs) == 12
+    assert not {m for q in test_qs for m in q.message_ids} & {m for q in train_qs for m in q.message_ids}
+    html_only = db.read("<locker1@home.example>")
+    assert html_only.body == "Hi!\n\nThe code for Harbor locker 1 is 4037." and "PDF" not in db.read("<locker0@home.example>").body
+    db.close()
+    agent.update({q.question: expert_script(q) for q in test_qs})
+    command("test_email_search_agent.py", "--db", tmp / "my.db", "--model", "hosted_vllm/scripted", "--base-url",
+            server.base_url, "--output", tmp / "eval", "--art-dir", tmp / "art")
+    summary = json.loads((tmp / "eval" / "summary.json").read_text())["models"]["hosted_vllm/scripted"]
+    assert summary["n"] == 4 and summary["accuracy"] == 1.0
+
+
+@pytest.mark.slow
+def test_walkthrough_tiny_cpu_train(walkthrough):
+    tmp, *_ = walkthrough
+    result = command("train_email_search_agent.py", "train", "--db", tmp / "my.db", "--name", "mine", "--art-dir",
+                     tmp / "art", "--max-steps", 1, "--groups-per-step", 1, "--rollouts-per-group", 2, "--max-turns",
+                     2, "--max-tokens", 32, "--val-size", 0, "--cpu-train-threads", 1)
+    assert re.search(r"^step\s+1\b", result.stdout, re.M), result.stdout
+    assert (tmp / "art" / "email-agent" / "models" / "mine" / "checkpoints" / "0001").is_dir()
