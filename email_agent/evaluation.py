@@ -186,7 +186,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
             label = f"{run.name}@{number}"
             client = await serve_on_cpu(run.base_model, ckpt, label, options, stack)
         else:
-            client, label, served = await serve_with_art(run, step, stack)
+            client, label, served = await serve_with_art(run, step, stack, options.timeout)
         policy = Policy(client, label if run.backend == "cpu" else served, max_tokens=shape.max_tokens, **common)
         return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl", trained=True)
 
@@ -230,10 +230,11 @@ async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str, opt
     return AsyncOpenAI(base_url=base_url, api_key="local", timeout=options.timeout, max_retries=2)
 
 
-async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack):
+async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, timeout: float):
     """A run trained on an ART backend, served by that backend: register a model of the same name, project
     and folder (as training does), then ask for the step. Returns (client, label, served model name)."""
     import art
+    from openai import AsyncOpenAI
 
     from . import backends
 
@@ -258,7 +259,10 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack):
             await load_lora_adapter(model.inference_base_url, model.inference_api_key,
                                     model.get_inference_name(wanted), str(folder.resolve()))
         served = model.get_inference_name(wanted)
-        client = model.openai_client()
+        # Our own client on the model's endpoint and key, as training's Policy.for_model does: ART 0.5.18's
+        # model.openai_client() hands openai an httpx.Timeout it cannot add to a float (TypeError per request).
+        client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key or "none",
+                             timeout=timeout, max_retries=2)
     except DataError:
         raise
     except Exception as exc:  # a runtime that will not build or start: say so, with the way around it

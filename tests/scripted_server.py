@@ -6,7 +6,8 @@ question (e.g. a judge's reply). A reply is
 a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args), ...]} for several,
 {"text": "..."} for plain text, {"status": 500} for an HTTP error, {"sleep": s} to stall. A question with
 no script gets {"status": 404}. GET /v1/models lists `models` (none by default: "serves anything"); POST
-/v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a LoRA. Tests and benches use it; the
+/v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a LoRA. With `api_key`, any request
+without `Authorization: Bearer <api_key>` gets HTTP 401. Tests and benches use it; the
 real model path is the CPU backend.
 """
 
@@ -35,9 +36,10 @@ def expert_script(question, answer=None, sources=None):
 
 
 class ScriptedServer:
-    def __init__(self, scripts: dict[str, list[dict]], models: list[str] = ()):
+    def __init__(self, scripts: dict[str, list[dict]], models: list[str] = (), api_key: str | None = None):
         self.scripts = scripts
         self.models = list(models)
+        self.api_key = api_key
         self.requests: list[dict] = []
         self.adapters: list[dict] = []
         self._runner = None
@@ -77,8 +79,14 @@ class ScriptedServer:
         self.adapters.append(await request.json())
         return web.Response(text="Success")
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "invalid api key"}}, status=401)
+        return await handler(request)
+
     async def __aenter__(self) -> "ScriptedServer":
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
@@ -96,10 +104,10 @@ class ScriptedServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(scripts, models=()):
+def serve_in_thread(scripts, models=(), api_key=None):
     """The server on its own event loop in a thread, for code under test that runs its own loop."""
     loop = asyncio.new_event_loop()
-    server = ScriptedServer(scripts, models)
+    server = ScriptedServer(scripts, models, api_key)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)
