@@ -139,7 +139,7 @@ def ask(args) -> None:
     db = EmailDB(args.db or (run.config.get("db") if run else None) or DEFAULT_DB)  # a run's own inbox by default
     question = evaluation.adhoc_question(db, args.question, args.inbox, args.as_of)
     options = evaluation.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
-                                 shape={"max_turns": args.max_turns})
+                                 shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     calls = []
 
     def on_call(name, arguments, outcome):
@@ -549,6 +549,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", help="OpenAI-compatible endpoint for a provider/model")
     p.add_argument("--api-key", help="key for --base-url (default: OPENAI_API_KEY for openai/, else POLICY_API_KEY)")
     p.add_argument("--max-turns", type=int, metavar="N", help="agent turns (default: what the run was trained with)")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="tokens per reply (default: what the run was trained "
+                                                               "with)")
     p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, turns, tool_calls, ...")
     p.set_defaults(func=ask)
