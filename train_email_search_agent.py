@@ -7,6 +7,7 @@
     python train_email_search_agent.py generate-questions --db my.db --model openai/gpt-4.1   # questions for your inbox
     python train_email_search_agent.py train --demo             # GRPO on the demo inbox, CPU, offline
     python train_email_search_agent.py train --name qwen7b      # GRPO on Enron; GPU (ART LocalBackend) if present
+    python train_email_search_agent.py ask "QUESTION" --inbox ADDRESS   # one question to the latest trained agent
 
 Subcommands stay thin: each parses its flags, calls one function of the `email_agent` package and prints;
 `train` shows the whole loop: pick questions, gather groups of rollouts, train, log, validate, checkpoint.
@@ -22,12 +23,14 @@ import signal
 import sys
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
 from email_agent import cli
+from email_agent.backends import ART_DIR, PROJECT, run_path
 from email_agent.data import DataError, EmailDB
+from email_agent.episode import EpisodeShape
 
 DEFAULT_DB = "data/enron_emails.db"
 DEMO_DB = "data/demo.db"
@@ -143,6 +146,80 @@ def read(args) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# ask: one question to a trained agent, each tool call shown as it happens
+# ----------------------------------------------------------------------------------------------
+
+def ask(args) -> None:
+    import contextlib
+
+    from email_agent import evaluation
+    from email_agent.rollout import RolloutConfig, rollout
+
+    spec = args.model or str(evaluation.latest_run(args.art_dir).path)
+    run = evaluation.find_run(spec.partition("@")[0], args.art_dir)
+    db = EmailDB(args.db or (run.config.get("db") if run else None) or DEFAULT_DB)  # a run's own inbox by default
+    question = evaluation.adhoc_question(db, args.question, args.inbox, args.as_of)
+    options = evaluation.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
+                                 shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
+    calls = []
+
+    def on_call(name, arguments, outcome):
+        calls.append({"tool": name, "arguments": arguments, "error": outcome.content if outcome and outcome.error
+                      else None})
+        if not args.json:
+            print(describe_call(name, arguments, outcome), flush=True)
+
+    async def play():
+        async with contextlib.AsyncExitStack() as stack:
+            contestant = await evaluation.open_contestant(spec, options, stack)
+            await evaluation.probe(contestant)
+            if not args.json:
+                print(f"{contestant.label} ({contestant.shape.describe()}) asks {question.inbox_address}'s inbox "
+                      f"as of {question.query_date}:", file=sys.stderr)
+            return contestant, await rollout(contestant.policy, question, db, contestant.rollout_config(RolloutConfig()),
+                                              on_call=on_call)
+
+    contestant, traj = asyncio.run(play())
+    if traj.metadata.get("error"):
+        raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
+    answer, sources = traj.metadata.get("answer"), json.loads(traj.metadata["sources"])
+    visible = _visible_until(question.query_date)
+    cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]
+    if args.json:
+        print(json.dumps({"model": contestant.label, "question": question.question, "inbox": question.inbox_address,
+                          "as_of": question.query_date, "answer": answer, "sources": sources,
+                          "cited": [{"message_id": mid, "date": e.date, "from": e.from_address, "subject": e.subject}
+                                    for mid, e in cited if e is not None],
+                          "turns": traj.metrics["num_turns"], "tool_calls": calls,
+                          "ran_out_of_turns": bool(traj.metrics["ran_out_of_turns"])}, indent=2, ensure_ascii=False))
+        return
+    if answer is None:
+        print(f"no answer after {traj.metrics['num_turns']} turns (raise --max-turns, or try another model)")
+        return
+    print(f"\nanswer: {answer}")
+    for mid, email in cited:
+        print(f"  {email.date}  {email.from_address}  {email.subject}  {mid}" if email else
+              f"  {mid}  (not an email in this inbox: the model made it up)")
+
+
+def describe_call(name, arguments, outcome) -> str:
+    """One line per action of the agent, as `ask` shows it live."""
+    if name is None:
+        return f"  (no tool call) {' '.join(str(arguments or '').split())[:100]}"
+    shown = f"> {name} {' '.join(str(arguments).split())[:120]}"
+    if outcome.error:
+        return f"{shown}\n    {outcome.content[:160]}"
+    if name == "search_inbox":
+        hits = "; ".join(f"{r['date'][:10]} {r['subject'][:40]}" for r in outcome.result[:3])
+        return f"{shown}\n    {len(outcome.result)} result(s){': ' + hits if hits else ''}"
+    if name == "read_email":
+        email = outcome.result
+        return f"{shown}\n    " + (f"{email['date'][:16]}  {email['from_address']}  {email['subject'][:60]}"
+                                    if email else "not found in this inbox")
+    return shown
+
+
+# ----------------------------------------------------------------------------------------------
 # train: the configuration, then the loop
 # ----------------------------------------------------------------------------------------------
 
@@ -150,8 +227,8 @@ def read(args) -> None:
 class TrainConfig:
     # run
     name: str = "agent"  # run name: checkpoints and logs go to <art-dir>/<project>/models/<name>
-    project: str = "email-agent"  # ART project (also the W&B project)
-    art_dir: str = ".art"  # where runs live
+    project: str = PROJECT  # ART project (also the W&B project)
+    art_dir: str = ART_DIR  # where runs live
     fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
     preflight: bool = False  # gather one step's groups, say whether GRPO can learn from them, exit 1 if not; no training
     seed: int = 0  # one seed for question order, sampling and LoRA init
@@ -170,10 +247,10 @@ class TrainConfig:
     num_epochs: int = 3  # passes over the training questions
     max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
     learning_rate: float = 1.2e-5
-    max_turns: int = 10  # agent turns per question
-    max_tokens: int = 1024  # tokens per model reply
-    max_body_chars: int = 4000  # read_email cuts longer bodies
-    search_results: int = 10  # results per search when the model does not ask for a number
+    max_turns: int = EpisodeShape.max_turns  # agent turns per question
+    max_tokens: int = EpisodeShape.max_tokens  # tokens per model reply
+    max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies
+    search_results: int = EpisodeShape.search_results  # results per search when the model does not ask for a number
     temperature: float = 1.0  # rollout sampling temperature
     eval_every: int = 30  # validate every N steps (and at the end)
     keep_checkpoints: str = "best"  # best: keep the latest and the best (val/reward) checkpoint; all: keep every one
@@ -209,7 +286,11 @@ DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=16
 
 
 def run_dir(cfg: TrainConfig) -> Path:
-    return Path(cfg.art_dir) / cfg.project / "models" / cfg.name
+    return run_path(cfg.art_dir, cfg.project, cfg.name)
+
+
+def episode_shape(cfg: TrainConfig) -> EpisodeShape:
+    return EpisodeShape(cfg.max_turns, cfg.max_tokens, cfg.max_body_chars, cfg.search_results)
 
 
 def prepare_run(cfg: TrainConfig, backend: str) -> None:
@@ -226,7 +307,10 @@ def prepare_run(cfg: TrainConfig, backend: str) -> None:
                                 f"{getattr(cfg, key)!r}; use --fresh to start it over, or another --name.")
         print(f"resuming run {cfg.name!r} from {directory}", file=sys.stderr)
     directory.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(json.dumps({**asdict(cfg), "backend": backend}, indent=2) + "\n")
+    # The backend and episode shape are read back by evaluation and `ask`: a run is served where it was trained
+    # and plays the episodes it learned on.
+    config_path.write_text(json.dumps({**asdict(cfg), "backend": backend, "episode": asdict(episode_shape(cfg))},
+                                      indent=2) + "\n")
 
 
 async def validate(model, policy, questions, db, rollout_config, step: int) -> dict:
@@ -238,8 +322,9 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
     trajs = await art.gather_trajectories((rollout(greedy, q, db, rollout_config) for q in questions),
                                           pbar_desc="validate", max_exceptions=len(questions))
     trajs = [t for t in trajs if isinstance(t, art.Trajectory)]
-    calls = sum(t.metrics["tool_calls"] for t in trajs)
-    extra = {"valid_tool_call_rate": sum(t.metrics["valid_tool_calls"] for t in trajs) / calls if calls else 0.0}
+    from email_agent.rewards import valid_tool_call_rate
+
+    extra = {"valid_tool_call_rate": valid_tool_call_rate(t.metrics for t in trajs) or 0.0}
     await model.log(trajs, split="val", metrics=extra, step=step)
     return {"reward": sum(t.reward for t in trajs) / max(len(trajs), 1),
             "accuracy": sum(t.metrics["answer_correct"] for t in trajs) / max(len(trajs), 1), **extra}
@@ -321,12 +406,15 @@ async def train(cfg: TrainConfig) -> None:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
-    rollout_config = RolloutConfig(max_turns=cfg.max_turns, max_body_chars=cfg.max_body_chars,
-                                   search_results=cfg.search_results, reward=reward_mode, judge=judge)
+    rollout_config = RolloutConfig.for_shape(episode_shape(cfg), reward=reward_mode, judge=judge)
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
     prepare_run(cfg, backend_name)
+    if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
+        from email_agent.tracing import traced_rollout
+
+        rollout = traced_rollout(cfg.project, rollout, judge)
 
     model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
                                report_metrics=["wandb"] if cfg.wandb else [],
@@ -525,6 +613,27 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("message_id", metavar="MESSAGE_ID")
     p.add_argument("--inbox", metavar="ADDRESS", help="only if ADDRESS sent or received it")
     p.set_defaults(func=read)
+
+    p = sub.add_parser("ask", help="ask a trained agent a question about an inbox",
+                       description="One question, answered by a trained agent (or any model) with the same rollout "
+                                   "as training and evaluation: each tool call is shown as it happens, then the answer "
+                                   "and the cited emails. No gold answer, so nothing is graded. Example: python "
+                                   "train_email_search_agent.py ask --db data/demo.db --inbox "
+                                   "maya.okafor@larkspur.example 'When is the Egret kickoff?'")
+    p.add_argument("question", metavar="QUESTION")
+    p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
+    p.add_argument("--as-of", metavar="DATE", help="the agent's today: mail dated later is hidden (default: today)")
+    p.add_argument("--db", metavar="PATH", help=f"database (default: the run's own, else {DEFAULT_DB})")
+    p.add_argument("--model", metavar="SPEC", help="RUN[@STEP] (default: the most recent run), base, or a "
+                                                   "provider/model such as openai/o4-mini or hosted_vllm/NAME")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint for a provider/model")
+    p.add_argument("--api-key", help="key for --base-url (default: OPENAI_API_KEY for openai/, else POLICY_API_KEY)")
+    p.add_argument("--max-turns", type=int, metavar="N", help="agent turns (default: what the run was trained with)")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="tokens per reply (default: what the run was trained "
+                                                               "with)")
+    p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
+    p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, turns, tool_calls, ...")
+    p.set_defaults(func=ask)
 
     p = sub.add_parser("train", help="train the agent with GRPO (resumes a run of the same name)",
                        description="GRPO on the train split with rollouts from the agent environment. "

@@ -380,6 +380,15 @@ class EmailDB:
     def meta(self) -> dict[str, str]:
         return dict(self.conn.execute("SELECT key, value FROM meta"))
 
+    def inbox_size(self, address: str) -> int:
+        """How many emails `address` sent or received."""
+        return self.conn.execute("SELECT COUNT(*) FROM mailbox WHERE address = ?",
+                                 (address.strip().lower(),)).fetchone()[0]
+
+    def largest_inboxes(self, n: int = 5) -> list[tuple[str, int]]:
+        return self.conn.execute("SELECT address, COUNT(*) AS k FROM mailbox GROUP BY address ORDER BY k DESC LIMIT ?",
+                                 (n,)).fetchall()
+
     def search(self, inbox: str, keywords: Iterable[str], *, from_address: str | None = None,
                to_address: str | None = None, sent_after: str | None = None, sent_before: str | None = None,
                visible_until: str | None = None, max_results: int = 10) -> list[SearchResult]:

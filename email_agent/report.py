@@ -18,6 +18,8 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .rewards import valid_tool_call_rate
+
 VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "val/hallucinated", "val/num_turns"]
 TOOL_RESULT_LIMIT = 2000
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
@@ -78,25 +80,34 @@ def _metric(records: list[dict], key: str) -> list[float]:
     return values
 
 
+def _correct(r: dict) -> bool:
+    return not r.get("error") and bool((r.get("metrics") or {}).get("answer_correct"))
+
+
 def _summarize_model(records: list[dict]) -> dict:
-    # Errored rollouts are counted (n_errors) but excluded from every mean,
-    # including cost, so a crash does not masquerade as a wrong answer.
+    # Accuracy counts an errored rollout (the model's API failed) as a wrong answer: a model that times out
+    # on the hard questions must not look better for it. The scored-only accuracy stands beside it. Every
+    # other mean, cost included, is over the scored rollouts.
     scored = [r for r in records if not r.get("error")]
-    correct = _metric(scored, "answer_correct")
-    calls, valid = sum(_metric(scored, "tool_calls")), sum(_metric(scored, "valid_tool_calls"))
+    right = sum(map(_correct, records))
     latency = _metric(scored, "latency_s")
     costs = [r.get("cost_usd") for r in scored]
     known_cost = bool(scored) and all(c is not None for c in costs)
+    first = records[0] if records else {}
     return {
         "n": len(records),
         "n_errors": len(records) - len(scored),
         "n_scored": len(scored),
-        "accuracy": _mean(correct),
-        "accuracy_ci": list(wilson_interval(round(sum(correct)), len(correct))) if correct else None,
+        "accuracy": right / len(records) if records else None,
+        "accuracy_ci": list(wilson_interval(right, len(records))) if records else None,
+        "accuracy_scored": right / len(scored) if scored else None,
+        "tool_choice": first.get("tool_choice"),
+        "episode": first.get("episode"),
+        "backend": first.get("backend"),
         "sources_correct": _mean(_metric(scored, "sources_correct")),
         "hallucination_rate": _mean(_metric(scored, "hallucinated")),
         "idk_rate": _mean(_metric(scored, "returned_i_dont_know")),
-        "valid_tool_call_rate": valid / calls if calls else None,
+        "valid_tool_call_rate": valid_tool_call_rate(r.get("metrics") or {} for r in records),
         "avg_turns": _mean(_metric(scored, "num_turns")),
         "ran_out_of_turns_rate": _mean(_metric(scored, "ran_out_of_turns")),
         "latency_p50_s": _percentile(latency, 0.50),
@@ -113,13 +124,29 @@ def _question_key(r: dict):
     return r.get("question_id", r.get("question"))
 
 
+def paired_comparisons(by_model: dict[str, list[dict]]) -> list[dict]:
+    """For every pair of models, the exact McNemar test on the questions both played (errors count as wrong)."""
+    correct = {label: {_question_key(r): _correct(r) for r in rs} for label, rs in by_model.items()}
+    labels, pairs = list(by_model), []
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            shared = correct[a].keys() & correct[b].keys()
+            only_a = sum(correct[a][q] and not correct[b][q] for q in shared)
+            only_b = sum(correct[b][q] and not correct[a][q] for q in shared)
+            pairs.append({"a": a, "b": b, "n": len(shared), "only_a": only_a, "only_b": only_b,
+                          "p_value": mcnemar_exact(only_a, only_b)})
+    return pairs
+
+
 def summarize(records: list[dict]) -> dict:
-    """Per-model statistics, models in order of first appearance; see ``_summarize_model`` for the keys."""
+    """Per-model statistics (models in order of first appearance; see ``_summarize_model`` for the keys) and
+    a paired test for every pair of models (``paired_comparisons``)."""
     by_model: dict[str, list[dict]] = {}
     for r in records:
         by_model.setdefault(str(r.get("model", "?")), []).append(r)
     return {
         "models": {label: _summarize_model(rs) for label, rs in by_model.items()},
+        "pairs": paired_comparisons(by_model),
         "n_questions": len({_question_key(r) for r in records}),
         "n_records": len(records),
     }
@@ -164,7 +191,7 @@ def _is_number(v) -> bool:
 
 def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Header and plain-text cells shared by the Markdown and HTML tables."""
-    header = ["Model", "n", "Errors", "Accuracy [95% CI]", "Sources", "Hallucination", "I don't know",
+    header = ["Model", "n", "Errors", "Accuracy [95% CI]", "Accuracy of scored", "Sources", "Hallucination", "I don't know",
               "Valid tool calls", "Avg turns", "Latency p50 / p95", "Tokens in / out", "Cost / 1k q"]
     rows = []
     for label, s in summary["models"].items():
@@ -172,13 +199,46 @@ def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         if s["accuracy_ci"]:
             acc += " [{:.1f}–{:.1f}]".format(*(100 * x for x in s["accuracy_ci"]))
         rows.append([
-            label, str(s["n"]), str(s["n_errors"]), acc, _pct(s["sources_correct"]), _pct(s["hallucination_rate"]),
+            label, str(s["n"]), str(s["n_errors"]), acc, _pct(s.get("accuracy_scored")), _pct(s["sources_correct"]),
+            _pct(s["hallucination_rate"]),
             _pct(s["idk_rate"]), _pct(s["valid_tool_call_rate"]), _num(s["avg_turns"]),
             f"{_num(s['latency_p50_s'], '{:.2f} s')} / {_num(s['latency_p95_s'], '{:.2f} s')}",
             f"{_num(s['mean_prompt_tokens'], '{:,.0f}')} / {_num(s['mean_completion_tokens'], '{:,.0f}')}",
             _num(s["cost_per_1k_usd"], "${:,.2f}"),
         ])
     return header, rows
+
+
+def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    """How each model played: its backend, tool_choice and episode shape (they differ between models)."""
+    header = ["Model", "Served by", "tool_choice", "Turns", "Tokens / reply", "Body chars", "Results / search"]
+    rows = []
+    for label, s in summary["models"].items():
+        shape = s.get("episode") or {}
+        rows.append([label, s.get("backend") or DASH, s.get("tool_choice") or DASH,
+                     *(str(shape.get(k, DASH)) for k in ("max_turns", "max_tokens", "max_body_chars", "search_results"))])
+    return header, rows
+
+
+def _pair_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["A", "B", "Shared questions", "Only A right", "Only B right", "McNemar p", "Verdict"]
+    rows = []
+    for p in summary.get("pairs") or []:
+        if p["p_value"] < 0.05:
+            verdict = f"{p['a'] if p['only_a'] > p['only_b'] else p['b']} is better (p < 0.05)"
+        else:
+            verdict = "no significant difference"
+        rows.append([p["a"], p["b"], str(p["n"]), str(p["only_a"]), str(p["only_b"]), f"{p['p_value']:.3g}", verdict])
+    return header, rows
+
+
+NOTES = ("Accuracy counts errored rollouts (the model's API failed; see Errors) as wrong, with a 95% Wilson "
+         "interval; \"Accuracy of scored\" leaves them out, as do the other means. Valid tool calls = valid calls / "
+         "(calls + turns that made no call). Prompted models are sent tool_choice=\"required\"; trained models "
+         "choose (\"auto\"), as they were trained. Cost is per 1,000 questions and shown only when every scored "
+         "record has a price.")
+PAIR_NOTE = ("Exact McNemar test on correctness over the questions both models played: only the questions one "
+             "got right and the other wrong count. p < 0.05: the difference is unlikely to be chance.")
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -203,8 +263,9 @@ def _when_what(records: list[dict], summary: dict) -> str:
 def _markdown(title, records, summary, histories) -> str:
     lines = [f"# {_scrub(title)}", "", _when_what(records, summary), "", "## Comparison", ""]
     lines += _md_table(*_comparison_rows(summary))
-    lines += ["", "Accuracy excludes errored rollouts (counted under Errors); the CI is a 95% Wilson interval. "
-              "Cost is per 1,000 questions and shown only when every scored record has a price."]
+    lines += ["", NOTES, "", "## How each model played", ""] + _md_table(*_setup_rows(summary))
+    if summary.get("pairs"):
+        lines += ["", "## Paired comparison", ""] + _md_table(*_pair_rows(summary)) + ["", PAIR_NOTE]
     if histories:
         lines += ["", "## Learning curve"]
         for label, rows in histories.items():
@@ -372,6 +433,11 @@ var ok=(!t||d.textContent.toLowerCase().indexOf(t)>=0)&&(!w.checked||d.dataset.h
 d.style.display=ok?'':'none';});}f.addEventListener('input',run);w.addEventListener('change',run);})();"""
 
 
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    return ("<table><thead><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr></thead><tbody>"
+            + "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in r) + "</tr>" for r in rows) + "</tbody></table>")
+
+
 def _html(title, records, summary, histories) -> str:
     header, rows = _comparison_rows(summary)
     table = ("<table><thead><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr></thead><tbody>"
@@ -394,7 +460,9 @@ def _html(title, records, summary, histories) -> str:
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{_esc(title)}</h1><p>{_esc(_when_what(records, summary))}</p>",
              "<h2>Comparison</h2>", table,
-             "<p class=\"meta\">Accuracy excludes errored rollouts; CI is a 95% Wilson interval.</p>",
+             f"<p class=\"meta\">{_esc(NOTES)}</p>", "<h2>How each model played</h2>", _html_table(*_setup_rows(summary)),
+             *(["<h2>Paired comparison</h2>", _html_table(*_pair_rows(summary)), f"<p class=\"meta\">{_esc(PAIR_NOTE)}</p>"]
+               if summary.get("pairs") else []),
              "<h2>Charts</h2><div>", *charts, "</div>"]
     if histories:
         parts.append('<h2 id="learning-curve">Learning curve</h2><div>')

@@ -62,6 +62,17 @@ class Rubric:
         return self.bad_tool_name + self.bad_tool_args + self.parse_errors + self.extra_tool_calls
 
 
+def valid_tool_call_rate(metrics) -> float | None:
+    """Valid calls / (calls + turns that made no call at all), over episodes' metrics dicts; None if no turn.
+
+    A turn of plain text is a failed attempt to act: leaving it out would give a model that rarely calls a
+    tool, but calls it well, a near-perfect rate.
+    """
+    metrics = list(metrics)
+    attempts = sum(m.get("tool_calls", 0) + m.get("parse_errors", 0) for m in metrics)
+    return sum(m.get("valid_tool_calls", 0) for m in metrics) / attempts if attempts else None
+
+
 @dataclass
 class Verdict:
     correct: bool

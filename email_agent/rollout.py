@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import art
 import openai
@@ -19,6 +20,7 @@ from openai import AsyncOpenAI
 
 from . import rewards
 from .data import EmailDB
+from .episode import EpisodeShape
 from .questions import Question
 from .rewards import Rubric
 from .tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
@@ -43,7 +45,7 @@ class Policy:
     client: AsyncOpenAI
     model: str
     temperature: float | None = 1.0  # None: the server's default (o-series models accept no other)
-    max_tokens: int = 1024
+    max_tokens: int = EpisodeShape.max_tokens
     logprobs: bool = True  # what ART trains on; prompted OpenAI reasoning models reject it
     tool_choice: str | None = None  # e.g. "required" for prompted models; trainable ones learn to call tools
     max_concurrency: int = 16
@@ -73,11 +75,22 @@ class Policy:
 
 @dataclass
 class RolloutConfig:
-    max_turns: int = 10
-    max_body_chars: int = 4000  # read_email cuts longer bodies (the CPU preset uses less)
-    search_results: int = 10  # results per search when the model does not ask for a number
+    max_turns: int = EpisodeShape.max_turns
+    max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies (the CPU preset uses less)
+    search_results: int = EpisodeShape.search_results  # results per search when the model does not ask for a number
     reward: str = "offline"  # see rewards.REWARD_MODES
     judge: rewards.LLMJudge | None = None
+
+    @classmethod
+    def for_shape(cls, shape: EpisodeShape, **kwargs) -> "RolloutConfig":
+        """The environment's half of an episode shape (the policy's half is `max_tokens`)."""
+        return cls(max_turns=shape.max_turns, max_body_chars=shape.max_body_chars,
+                   search_results=shape.search_results, **kwargs)
+
+
+# Called as each turn's action is handled: (tool name, arguments as sent, outcome); for a reply without a
+# tool call, (None, the reply's text, None). For watching an episode live (`ask`); training passes none.
+OnCall = Callable[[str | None, str | None, ToolOutcome | None], None]
 
 
 def assistant_message(choice) -> dict:
@@ -90,7 +103,8 @@ def assistant_message(choice) -> dict:
     return message
 
 
-async def rollout(policy: Policy, question: Question, db: EmailDB, config: RolloutConfig) -> art.Trajectory:
+async def rollout(policy: Policy, question: Question, db: EmailDB, config: RolloutConfig,
+                  on_call: OnCall | None = None) -> art.Trajectory:
     inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=config.max_body_chars,
                   default_max_results=config.search_results)
     gold = set(question.message_ids)
@@ -126,6 +140,8 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
             nudge = "Error: reply with a tool call (search_inbox, read_email or return_final_answer), not plain text."
             messages.append({"role": "user", "content": nudge})
             traj.messages_and_choices.append(messages[-1])
+            if on_call is not None:
+                on_call(None, choice.message.content, None)
         for index, call in enumerate(calls):
             rubric.tool_calls += 1
             if index > 0:  # one action per turn keeps episodes comparable; the model is told why
@@ -142,6 +158,8 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
             else:
                 outcome = call_tool(inbox, call.function.name, call.function.arguments)
             record_outcome(rubric, outcome, gold)
+            if on_call is not None:
+                on_call(call.function.name, call.function.arguments, outcome)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": outcome.content})
             traj.messages_and_choices.append(messages[-1])
         rubric.env_s += time.perf_counter() - env_started
@@ -176,8 +194,9 @@ def record_outcome(rubric: Rubric, outcome: ToolOutcome, gold: set[str]) -> None
 
 async def grade(rubric: Rubric, question: Question, answer: str | None, sources: list[str],
                 config: RolloutConfig) -> rewards.Verdict | None:
-    """Fill in the outcome fields of the rubric; returns the verdict (None when there was no answer)."""
-    if answer is None:
+    """Fill in the outcome fields of the rubric; returns the verdict (None when there was no answer, or no
+    gold answer to grade against: a question asked with `ask`)."""
+    if answer is None or not question.answer:
         return None
     rubric.sources_correct = int(bool(sources) and set(question.message_ids) <= set(sources))
     if rewards.is_i_dont_know(answer):

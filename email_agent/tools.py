@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from .data import MAX_SEARCH_RESULTS, EmailDB, day_after, day_start
 
 DEFAULT_MAX_BODY_CHARS = 4000  # long bodies (up to 380k chars in Enron) would overflow the context
+DEFAULT_SEARCH_RESULTS = 10  # results per search when the model does not ask for a number
 
 # Descriptions are terse on purpose: the schemas are in every prompt, and on a CPU every token costs.
 TOOLS = [
@@ -59,7 +60,7 @@ class Inbox:
     address: str
     query_date: str  # 'YYYY-MM-DD'; mail dated after this day is invisible
     max_body_chars: int = DEFAULT_MAX_BODY_CHARS
-    default_max_results: int = 10  # when the model does not say; fewer results mean shorter contexts
+    default_max_results: int = DEFAULT_SEARCH_RESULTS  # when the model does not say; fewer results mean shorter contexts
 
     def __post_init__(self):
         self.visible_until = day_after(self.query_date)

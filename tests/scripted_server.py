@@ -6,7 +6,10 @@ question (e.g. a judge's reply). A reply is
 a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args), ...]} for several,
 {"text": "..."} for plain text, {"status": 500} for an HTTP error, {"sleep": s} to stall. A script may
 also be a function of the request body that returns one reply (for replies that depend on the prompt or on
-earlier calls). A question with no script gets {"status": 404}. Tests and benches use it; the real model path is the CPU backend.
+earlier calls). A question with no script gets {"status": 404}. GET /v1/models lists `models` (none by
+default: "serves anything"); POST /v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a
+LoRA. With `api_key`, any request without `Authorization: Bearer <api_key>` gets HTTP 401. Tests and
+benches use it; the real model path is the CPU backend.
 """
 
 from __future__ import annotations
@@ -34,9 +37,12 @@ def expert_script(question, answer=None, sources=None):
 
 
 class ScriptedServer:
-    def __init__(self, scripts: dict[str, list[dict]]):
+    def __init__(self, scripts: dict[str, list[dict]], models: list[str] = (), api_key: str | None = None):
         self.scripts = scripts
+        self.models = list(models)
+        self.api_key = api_key
         self.requests: list[dict] = []
+        self.adapters: list[dict] = []
         self._runner = None
         self.base_url = None
 
@@ -68,9 +74,25 @@ class ScriptedServer:
                          "finish_reason": "tool_calls" if tool_calls else "stop"}],
             "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}})
 
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "created": 0,
+                                                              "owned_by": "scripted"} for m in self.models]})
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        self.adapters.append(await request.json())
+        return web.Response(text="Success")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "invalid api key"}}, status=401)
+        return await handler(request)
+
     async def __aenter__(self) -> "ScriptedServer":
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1)
         await self._runner.setup()
         sock = socket.socket()
@@ -85,10 +107,10 @@ class ScriptedServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(scripts):
+def serve_in_thread(scripts, models=(), api_key=None):
     """The server on its own event loop in a thread, for code under test that runs its own loop."""
     loop = asyncio.new_event_loop()
-    server = ScriptedServer(scripts)
+    server = ScriptedServer(scripts, models, api_key)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)

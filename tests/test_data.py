@@ -8,14 +8,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import email
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import ENRON_EMAILS, ROOT, needs_enron
+from conftest import ROOT, needs_enron
 from email_agent import data, questions
 from email_agent.build import build_database
 from email_agent.data import EmailDB, normalize_email

@@ -40,7 +40,12 @@ def test_report_for_two_scripted_models(demo_db_path, demo_questions, tmp_path, 
     assert expert["verdict"]["judge"] == "offline" and expert["messages"][2]["tool_calls"]
     html = (tmp_path / "report.html").read_text()
     assert html.count('class="question"') == 6 and "Room 99" in html
-    assert "OFFLINE" in capsys.readouterr().err  # no judge configured: said loudly
+    output = capsys.readouterr()
+    assert "OFFLINE" in output.err  # no judge configured: said loudly
+    (pair,) = json.loads((tmp_path / "summary.json").read_text())["pairs"]
+    assert (pair["only_a"], pair["only_b"], pair["p_value"]) == (6, 0, 2 / 64)  # exact McNemar, 6 discordant
+    assert "McNemar p=0.0312: hosted_vllm/expert is better" in output.out
+    assert "tool_choice required" in output.out
 
 
 def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
@@ -129,3 +134,223 @@ def test_report_on_the_real_enron_sample(enron_db_path, enron_db, tmp_path):
                        server.base_url, "--output", tmp_path, "--art-dir", tmp_path / "art") == 0
     summary = json.loads((tmp_path / "summary.json").read_text())["models"]["hosted_vllm/x"]
     assert summary["n"] == 2 and summary["accuracy"] == 1.0
+
+
+# ---- fail fast: every endpoint is probed before the first rollout ----------------------------------------
+
+def test_endpoint_down_fails_within_seconds_and_writes_nothing(demo_db_path, tmp_path, capsys):
+    started = time.perf_counter()
+    rc = run_cli("--db", demo_db_path, "--model", "hosted_vllm/x", "--base-url", "http://127.0.0.1:9/v1",
+                 "--limit", 2, "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
+    err = capsys.readouterr().err
+    assert rc == 1 and time.perf_counter() - started < 30
+    assert "hosted_vllm/x: cannot reach http://127.0.0.1:9/v1" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # no report full of n/a
+
+
+@pytest.mark.parametrize("server_kwargs, spec, message", [
+    ({"api_key": "right"}, "hosted_vllm/expert", "refused the API key (HTTP 401)"),
+    ({"models": ["expert", "liar"]}, "hosted_vllm/nope", "does not serve a model named 'nope'; it serves expert, liar"),
+])
+def test_probe_refused_key_and_unknown_model(demo_db_path, tmp_path, capsys, server_kwargs, spec, message):
+    with serve_in_thread({}, **server_kwargs) as server:
+        rc = run_cli("--db", demo_db_path, "--model", "hosted_vllm/expert", "--model", spec, "--base-url",
+                     server.base_url, "--api-key", "wrong", "--limit", 2, "--output", tmp_path / "out")
+        asked = [r["messages"][0]["content"] for r in server.requests]
+    err = capsys.readouterr().err
+    assert rc == 1 and message in err and "Traceback" not in err
+    assert all(q == "Say OK." for q in asked)  # no rollout started
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_rollouts_count_as_wrong_and_a_model_that_always_fails_exits_nonzero(demo_db_path, demo_questions,
+                                                                                    tmp_path, capsys):
+    half = {q.question: expert_script(q) for q in demo_questions[:3]}
+    half.update({q.question: [{"status": 400}] for q in demo_questions[3:]})  # 400: not retried, fast
+    scripts = {"half": half, "broken": {"*": [{"status": 400}]}}
+    with serve_in_thread(scripts) as server:
+        rc = run_cli("--db", demo_db_path, "--model", "hosted_vllm/half", "--model", "hosted_vllm/broken",
+                     "--base-url", server.base_url, "--limit", 6, "--output", tmp_path, "--art-dir", tmp_path / "art")
+    err = capsys.readouterr().err
+    assert rc == 1 and "every rollout of hosted_vllm/broken failed" in err and "BadRequestError" in err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    half_s = summary["models"]["hosted_vllm/half"]
+    assert (half_s["n"], half_s["n_errors"], half_s["accuracy"], half_s["accuracy_scored"]) == (6, 3, 0.5, 1.0)
+    assert summary["models"]["hosted_vllm/broken"]["accuracy"] == 0.0
+    assert "| hosted_vllm/half | 6 | 3 | 50.0%" in (tmp_path / "report.md").read_text()
+
+
+def test_partial_failures_alone_exit_zero(demo_db_path, demo_questions, tmp_path):
+    scripts = {q.question: expert_script(q) for q in demo_questions[:5]}
+    scripts[demo_questions[5].question] = [{"status": 400}]
+    with serve_in_thread(scripts) as server:
+        assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/x", "--base-url", server.base_url,
+                       "--limit", 6, "--output", tmp_path, "--art-dir", tmp_path / "art") == 0
+    s = json.loads((tmp_path / "summary.json").read_text())["models"]["hosted_vllm/x"]
+    assert (s["n_errors"], s["accuracy"]) == (1, pytest.approx(5 / 6))
+
+
+# ---- a run is served by the backend it was trained on, with the shape it was trained with -------------
+
+class ServingBackend:
+    """Stands in for ART's LocalBackend at evaluation: 'serves' the scripted server, latest step 2."""
+
+    def __init__(self, base_url, name, cfg):
+        self.base_url, self.name, self.cfg, self.model, self.closed = base_url, name, cfg, None, False
+
+    async def register(self, model):
+        self.model = model
+
+    async def _prepare_backend_for_training(self, model, config):
+        return self.base_url, "served-key"
+
+    def _model_inference_name(self, model, step=None):
+        return f"{model.name}@{2 if step is None else step}"
+
+    async def _get_step(self, model):
+        return 2
+
+    async def close(self):
+        self.closed = True
+
+
+GPU_SHAPE = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
+
+
+def make_gpu_run(art_dir, name="gpu"):
+    run = art_dir / "email-agent" / "models" / name
+    for step in (1, 2):
+        (run / "checkpoints" / f"{step:04d}").mkdir(parents=True)
+    config = {"name": name, "backend": "local", "base_model": "Qwen/Qwen2.5-7B-Instruct", "lora_rank": 8,
+              "lora_alpha": 16, "max_seq_length": 4096, "gpu_memory_utilization": 0.6, "enforce_eager": True,
+              "max_num_seqs": 16, "episode": GPU_SHAPE, **GPU_SHAPE}
+    (run / "run_config.json").write_text(json.dumps(config))
+    (run / "history.jsonl").write_text(json.dumps({"step": 2, "val/reward": 0.5}) + "\n")
+    return run
+
+
+def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_questions, tmp_path, monkeypatch):
+    from email_agent import backends
+
+    run = make_gpu_run(tmp_path / "art")
+    made = []
+    scripts = {q.question: expert_script(q) for q in demo_questions[:2]}
+    with serve_in_thread(scripts) as server:
+        monkeypatch.setattr(backends, "make_backend",
+                            lambda name, cfg: made.append(ServingBackend(server.base_url, name, cfg)) or made[-1])
+        rc = run_cli("--db", demo_db_path, "--model", "gpu@1", "--model", "hosted_vllm/expert", "--base-url",
+                     server.base_url, "--limit", 2, "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
+        requests, adapters = list(server.requests), list(server.adapters)
+    assert rc == 0
+    (backend,) = made
+    assert backend.name == "local" and backend.closed and backend.cfg.art_dir == str(tmp_path / "art")
+    model = backend.model
+    assert (model.name, model.project, model.base_model, model.base_path) == (
+        "gpu", "email-agent", "Qwen/Qwen2.5-7B-Instruct", str(tmp_path / "art"))
+    assert model._internal_config["engine_args"]["gpu_memory_utilization"] == 0.6
+    # Step 1 is not the latest (2): its LoRA is loaded into vLLM by name, as ART does after a training step.
+    assert adapters == [{"lora_name": "gpu@1", "lora_path": str((run / "checkpoints" / "0001").resolve()),
+                         "load_inplace": True}]
+    trained = [r for r in requests if r["model"] == "gpu@1" and r["messages"][0]["role"] == "system"]
+    prompted = [r for r in requests if r["model"] == "expert" and r["messages"][0]["role"] == "system"]
+    assert trained and all(r["max_completion_tokens"] == 64 and "tool_choice" not in r for r in trained)
+    # The prompted model plays the run's shape too (like for like), with tool_choice required.
+    assert prompted and all(r["max_completion_tokens"] == 64 and r["tool_choice"] == "required" for r in prompted)
+    assert "up to 4 turns" in trained[0]["messages"][0]["content"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["models"]["gpu@1"]["episode"] == GPU_SHAPE and summary["models"]["gpu@1"]["backend"] == "local"
+    assert summary["models"]["gpu@1"]["tool_choice"] == "auto"
+    assert summary["models"]["hosted_vllm/expert"]["tool_choice"] == "required"
+    assert [(p["a"], p["b"]) for p in summary["pairs"]] == [("gpu@1", "hosted_vllm/expert")]
+
+
+def test_flags_override_the_run_shape_and_the_latest_step_needs_no_adapter_load(demo_db_path, demo_questions,
+                                                                               tmp_path, monkeypatch):
+    from email_agent import backends
+
+    make_gpu_run(tmp_path / "art")
+    with serve_in_thread({q.question: expert_script(q) for q in demo_questions[:1]}) as server:
+        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
+        assert run_cli("--db", demo_db_path, "--model", "gpu@latest", "--max-tokens", 99, "--limit", 1,
+                       "--output", tmp_path / "out", "--art-dir", tmp_path / "art") == 0
+        assert server.adapters == []
+        assert {r["max_completion_tokens"] for r in server.requests if r.get("tools")} == {99}
+    record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    assert record["model"] == "gpu@2" and record["episode"] == {**GPU_SHAPE, "max_tokens": 99}
+
+
+def test_a_gpu_run_without_a_gpu_says_what_is_missing_and_the_alternative(demo_db_path, tmp_path, capsys,
+                                                                         monkeypatch):
+    from email_agent import backends
+
+    run = make_gpu_run(tmp_path / "art")
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    assert run_cli("--db", demo_db_path, "--model", "gpu", "--output", tmp_path / "out",
+                   "--art-dir", tmp_path / "art") == 1
+    err = capsys.readouterr().err
+    assert "trained on the local backend" in err and "needs a CUDA GPU" in err and "Traceback" not in err
+    assert f"--lora-modules gpu={run / 'checkpoints' / '0002'}" in err and "--model hosted_vllm/gpu" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path, capsys, monkeypatch):
+    run = make_gpu_run(tmp_path / "art", name="remote")
+    config = json.loads((run / "run_config.json").read_text())
+    for backend, key in (("serverless", "WANDB_API_KEY"), ("tinker", "TINKER_API_KEY")):
+        (run / "run_config.json").write_text(json.dumps({**config, "backend": backend}))
+        monkeypatch.delenv(key, raising=False)
+        assert run_cli("--db", demo_db_path, "--model", "remote", "--art-dir", tmp_path / "art",
+                       "--output", tmp_path / "out") == 1
+        err = capsys.readouterr().err
+        assert f"trained on the {backend} backend" in err and key in err and "Traceback" not in err
+
+
+def test_no_model_evaluates_the_most_recent_run(demo_db_path, demo_questions, tmp_path, monkeypatch, capsys):
+    from email_agent import backends
+
+    assert run_cli("--db", demo_db_path, "--art-dir", tmp_path / "empty", "--output", tmp_path / "none") == 1
+    assert "no trained run under" in capsys.readouterr().err
+    make_gpu_run(tmp_path / "art", name="older")
+    time.sleep(0.05)
+    make_gpu_run(tmp_path / "art", name="newer")
+    with serve_in_thread({q.question: expert_script(q) for q in demo_questions[:1]}) as server:
+        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
+        assert run_cli("--db", demo_db_path, "--limit", 1, "--output", tmp_path / "out",
+                       "--art-dir", tmp_path / "art") == 0
+    assert json.loads((tmp_path / "out" / "results.jsonl").read_text())["model"] == "newer@2"
+
+
+def test_wandb_traces_rollouts_and_judge_with_weave(demo_db_path, demo_questions, tmp_path, monkeypatch):
+    import weave
+    from weave.trace.op import is_op
+
+    from email_agent import tracing
+
+    inits, wrapped = [], []
+    monkeypatch.setattr(weave, "init", lambda project, **kw: inits.append(project))
+    real = tracing.traced_rollout
+    monkeypatch.setattr(tracing, "traced_rollout",
+                        lambda project, rollout, judge=None: wrapped.append(real(project, rollout, judge)) or wrapped[-1])
+    with serve_in_thread({"x": {demo_questions[0].question: expert_script(demo_questions[0])}}) as server:
+        assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/x", "--base-url", server.base_url, "--limit", 1,
+                       "--wandb", "--project", "my-proj", "--output", tmp_path, "--art-dir", tmp_path / "art") == 0
+    assert inits == ["my-proj"] and len(wrapped) == 1 and is_op(wrapped[0])
+    assert json.loads((tmp_path / "results.jsonl").read_text())["metrics"]["answer_correct"] == 1
+
+
+def test_traced_rollout_wraps_the_judge_and_never_requires_weave(monkeypatch):
+    import weave
+    from weave.trace.op import is_op
+
+    from email_agent.rewards import LLMJudge
+    from email_agent.rollout import rollout
+    from email_agent.tracing import traced_rollout
+
+    judge = LLMJudge("openai/judge")
+    monkeypatch.setattr(weave, "init", lambda project, **kw: None)
+    assert is_op(traced_rollout("p", rollout, judge)) and is_op(judge.verdict)
+
+    def no_weave(project, **kw):
+        raise RuntimeError("no WANDB_API_KEY")
+    monkeypatch.setattr(weave, "init", no_weave)
+    assert traced_rollout("p", rollout) is rollout  # tracing is a nicety: off, and the run goes on

@@ -8,8 +8,8 @@ from email_agent.report import load_history, summarize, wilson_interval, write_r
 
 
 def _rec(model, qid, *, correct=1, halluc=0, idk=0, latency=1.0, valid=1, calls=1, cost=0.001, error=None,
-         answer="Thursday March 14", messages=None):
-    metrics = {} if error else {
+         answer="Thursday March 14", messages=None, parse_errors=0):
+    metrics = {} if error else {"parse_errors": parse_errors,
         "answer_correct": correct, "sources_correct": correct, "attempted_answer": 1 - idk, "returned_i_dont_know": idk,
         "hallucinated": halluc, "num_turns": 3, "ran_out_of_turns": 0, "valid_tool_calls": valid, "tool_calls": calls,
         "prompt_tokens": 1000, "completion_tokens": 100, "latency_s": latency,
@@ -29,7 +29,7 @@ def _rec(model, qid, *, correct=1, halluc=0, idk=0, latency=1.0, valid=1, calls=
 def records():
     return [
         _rec("trained", 1, correct=1, halluc=0, latency=1.0, valid=3, calls=3, cost=0.001),
-        _rec("base", 1, correct=0, halluc=0, idk=1, latency=5.0, valid=0, calls=0, cost=None),
+        _rec("base", 1, correct=0, halluc=0, idk=1, latency=5.0, valid=0, calls=0, cost=None, parse_errors=2),
         _rec("trained", 2, correct=0, halluc=1, latency=2.0, valid=2, calls=4, cost=0.002),
         _rec("base", 2, correct=1, latency=7.0, valid=0, calls=0, cost=0.01),
         _rec("trained", 3, correct=1, latency=4.0, valid=1, calls=1, cost=0.003),
@@ -54,8 +54,9 @@ def test_summarize_two_models(records):
     assert s["n_questions"] == 4
     t, b = s["models"]["trained"], s["models"]["base"]
     assert (t["n"], t["n_errors"], t["n_scored"]) == (4, 1, 3)
-    assert t["accuracy"] == pytest.approx(2 / 3)  # the errored record is excluded, not counted wrong
-    assert t["accuracy_ci"] == pytest.approx(list(wilson_interval(2, 3)))
+    assert t["accuracy"] == pytest.approx(2 / 4)  # the errored record counts as wrong...
+    assert t["accuracy_ci"] == pytest.approx(list(wilson_interval(2, 4)))
+    assert t["accuracy_scored"] == pytest.approx(2 / 3)  # ...and the scored-only figure stands beside it
     assert t["hallucination_rate"] == pytest.approx(1 / 3)
     assert t["latency_p50_s"] == pytest.approx(2.0)
     assert t["latency_p95_s"] == pytest.approx(3.8)  # linear interpolation over [1, 2, 4]
@@ -64,14 +65,63 @@ def test_summarize_two_models(records):
     assert t["avg_turns"] == pytest.approx(3.0)
     assert t["mean_reward"] == pytest.approx(2 / 3)
     assert b["cost_per_1k_usd"] is None  # one base record lacks a price
-    assert b["valid_tool_call_rate"] is None  # no tool calls at all
+    assert b["valid_tool_call_rate"] == 0.0  # two turns of plain text: no valid call in two attempts
     assert b["idk_rate"] == pytest.approx(0.5)
     assert (b["n"], b["n_errors"], b["accuracy"]) == (2, 0, 0.5)
 
 
-def test_summarize_all_errored_model_has_no_accuracy():
+def test_summarize_all_errored_model_is_all_wrong():
     m = summarize([_rec("x", 1, error="crash")])["models"]["x"]
-    assert m["accuracy"] is None and m["accuracy_ci"] is None and m["n_errors"] == 1
+    assert m["accuracy"] == 0.0 and m["accuracy_scored"] is None and m["n_errors"] == 1
+    assert summarize([])["models"] == {}
+
+
+def test_valid_tool_call_rate_counts_turns_without_a_call():
+    from email_agent.rewards import valid_tool_call_rate
+
+    # One valid call in 4 turns of which 3 were plain text: 25%, not the 100% of calls alone.
+    assert valid_tool_call_rate([{"tool_calls": 1, "valid_tool_calls": 1, "parse_errors": 3}]) == 0.25
+    assert valid_tool_call_rate([{"tool_calls": 2, "valid_tool_calls": 1, "parse_errors": 0},
+                                 {"tool_calls": 0, "valid_tool_calls": 0, "parse_errors": 2}]) == 0.25
+    assert valid_tool_call_rate([{"tool_calls": 0, "valid_tool_calls": 0, "parse_errors": 0}]) is None
+
+
+def test_paired_mcnemar_for_every_pair_in_summary_and_reports(tmp_path):
+    from email_agent.report import mcnemar_exact
+
+    # A right on 1-8, B right on 1-2; C errors everywhere (counted wrong). Question 9 only A and B played.
+    records = [_rec("A", q, correct=int(q <= 8)) for q in range(1, 11)]
+    records += [_rec("B", q, correct=int(q <= 2)) for q in range(1, 11)]
+    records += [_rec("C", q, error="APIConnectionError") for q in range(1, 9)]
+    s = summarize(records)
+    pairs = {(p["a"], p["b"]): p for p in s["pairs"]}
+    assert list(pairs) == [("A", "B"), ("A", "C"), ("B", "C")]
+    assert pairs["A", "B"] == {"a": "A", "b": "B", "n": 10, "only_a": 6, "only_b": 0,
+                               "p_value": pytest.approx(mcnemar_exact(6, 0))}
+    assert pairs["A", "B"]["p_value"] == pytest.approx(2 / 64)
+    assert (pairs["A", "C"]["n"], pairs["A", "C"]["only_a"], pairs["A", "C"]["only_b"]) == (8, 8, 0)
+    assert (pairs["B", "C"]["only_a"], pairs["B", "C"]["p_value"]) == (2, 0.5)
+    write_report(tmp_path, records, s)
+    md = (tmp_path / "report.md").read_text()
+    assert "## Paired comparison" in md and "| A | B | 10 | 6 | 0 | 0.0312 | A is better (p < 0.05) |" in md
+    assert "| B | C | 8 | 2 | 0 | 0.5 | no significant difference |" in md
+    assert json.loads((tmp_path / "summary.json").read_text())["pairs"][0]["p_value"] == pytest.approx(0.03125)
+    assert "Paired comparison" in (tmp_path / "report.html").read_text()
+
+
+def test_report_states_tool_choice_and_episode_shape(tmp_path):
+    trained = dict(_rec("run@3", 1), tool_choice="auto", backend="cpu",
+                   episode={"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3})
+    prompted = dict(_rec("openai/o4-mini", 1), tool_choice="required", backend="api",
+                    episode={"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10})
+    s = summarize([trained, prompted])
+    assert s["models"]["run@3"]["tool_choice"] == "auto" and s["models"]["openai/o4-mini"]["tool_choice"] == "required"
+    assert s["models"]["run@3"]["episode"]["max_turns"] == 4
+    write_report(tmp_path, [trained, prompted], s)
+    md = (tmp_path / "report.md").read_text()
+    assert "| run@3 | cpu | auto | 4 | 64 | 600 | 3 |" in md
+    assert "| openai/o4-mini | api | required | 10 | 1024 | 4000 | 10 |" in md
+    assert "counts errored rollouts" in md and "turns that made no call" in md
 
 
 def test_write_report_files_and_structure(tmp_path, records):
@@ -85,7 +135,7 @@ def test_write_report_files_and_structure(tmp_path, records):
     assert "<link" not in page and "src=" not in page and "http" not in page  # self-contained
     assert page.count("<svg") >= 5
     md = paths["markdown"].read_text()
-    assert "66.7% [20.8–93.9]" in md
+    assert "50.0% [15.0–85.0] | 66.7% |" in md  # errors count as wrong; scored-only beside it
     assert "| base |" in md and "—" in md  # base cost unknown
     assert "Learning curve" not in md and "Learning curve" not in page
 

@@ -12,10 +12,17 @@ This module only picks and builds one, and builds the model's ART settings; it h
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GPU_BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
+PROJECT = "email-agent"  # the ART (and W&B) project
+
+
+def run_path(art_dir: str, project: str, name: str) -> Path:
+    return Path(art_dir) / project / "models" / name
 
 
 class BackendError(Exception):

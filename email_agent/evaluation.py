@@ -1,0 +1,443 @@
+"""Evaluation: who plays, served the way it was trained; checked before it plays; what one answer records.
+
+Owns: finding training runs (`Run`, `find_run`, `latest_run`) and their checkpoints; turning a `--model`
+value into a `Contestant` with a ready policy (a run on its own backend: CPU in-process, ART's LocalBackend
+/ vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted model behind an
+OpenAI-compatible endpoint); `probe`, one cheap request that fails fast on an unreachable server, a refused
+key or an unknown model; the result record of one question x model (`make_record`, read by `report` and
+`sft`) and re-judging it. `test_email_search_agent.py` and the `ask` command are thin layers over this.
+It does not render reports (see `report`) and plays episodes only through `rollout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import rewards
+from .backends import ART_DIR, CPU_BASE_MODEL, PROJECT, run_path
+from .data import DataError
+from .episode import EpisodeShape
+from .questions import Question
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training runs and their checkpoints
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """A training run's folder: <art_dir>/<project>/models/<name>/ with run_config.json and checkpoints/."""
+
+    path: Path
+    config: dict
+
+    @classmethod
+    def load(cls, path: Path) -> "Run":
+        config_path = path / "run_config.json"
+        try:
+            config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{config_path} is not valid JSON ({exc}).") from None
+        return cls(path, config)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def project(self) -> str:
+        return self.path.parent.parent.name
+
+    @property
+    def art_dir(self) -> str:
+        return str(self.path.parent.parent.parent)
+
+    @property
+    def backend(self) -> str:
+        return self.config.get("backend", "cpu")  # runs from before the backend was saved were CPU runs
+
+    @property
+    def base_model(self) -> str:
+        if not self.config.get("base_model"):
+            raise DataError(f"{self.path / 'run_config.json'} is missing or names no base_model; is this a training run?")
+        return self.config["base_model"]
+
+    @property
+    def shape(self) -> EpisodeShape:
+        return EpisodeShape.from_run_config(self.config)
+
+    def steps(self) -> list[int]:
+        folder = self.path / "checkpoints"
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+    def checkpoint(self, step: str) -> tuple[int, Path]:
+        """'' / 'latest' / 'N' -> (step, its folder), from the checkpoints on this machine."""
+        steps = self.steps()
+        if not steps:
+            raise DataError(f"{self.path} has no checkpoints yet.")
+        if step in ("", "latest"):
+            chosen = steps[-1]
+        elif not step.isdigit() or int(step) not in steps:
+            raise DataError(f"{self.path} has no checkpoint {step!r}; it has {', '.join(map(str, steps))} "
+                            f"(or use @latest).")
+        else:
+            chosen = int(step)
+        return chosen, self.path / "checkpoints" / f"{chosen:04d}"
+
+    def last_active(self) -> float:
+        candidates = [self.path / "run_config.json", self.path / "history.jsonl", self.path / "checkpoints"]
+        return max((p.stat().st_mtime for p in candidates if p.exists()), default=0.0)
+
+
+def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
+    """A run by folder, or by name under art_dir (the default project first, then any other)."""
+    path = Path(name)
+    if (path / "run_config.json").exists() or (path / "checkpoints").is_dir():
+        return Run.load(path)
+    if not name or "/" in name or name in (".", ".."):
+        return None
+    candidates = [run_path(art_dir, PROJECT, name)] + sorted(Path(art_dir).glob(f"*/models/{name}"))
+    return next((Run.load(p) for p in candidates if (p / "run_config.json").exists()), None)
+
+
+def list_runs(art_dir: str = ART_DIR) -> list[Run]:
+    """Every run under art_dir, the most recently active first."""
+    runs = [Run.load(p.parent) for p in Path(art_dir).glob("*/models/*/run_config.json")]
+    return sorted(runs, key=Run.last_active, reverse=True)
+
+
+def latest_run(art_dir: str = ART_DIR) -> Run:
+    """The most recently active run, or a DataError that says what else to pass."""
+    runs = list_runs(art_dir)
+    if not runs:
+        raise DataError(f"no trained run under {art_dir}/*/models/ (train one with `python train_email_search_agent.py "
+                        f"train --demo`), so give --model: base (the untrained model on CPU), a provider/model such "
+                        f"as openai/o4-mini, or hosted_vllm/NAME with --base-url.")
+    log.info("no --model given: using the most recent run, %s (others: %s)", runs[0].name,
+             ", ".join(r.name for r in runs[1:]) or "none")
+    return runs[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Contestants: a --model value -> a ready policy, served the way its run was trained
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Options:
+    """How to serve and play models; the command lines fill it from their flags."""
+
+    art_dir: str = ART_DIR
+    base_model: str = CPU_BASE_MODEL  # what `base` means
+    base_url: str | None = None  # endpoint of prompted models
+    api_key: str | None = None
+    temperature: float | None = 0.0
+    timeout: float = 300.0  # seconds per model request
+    concurrency: int = 8  # rollouts in flight per model (and the CPU server's decoding batch)
+    seed: int = 0
+    shape: dict = field(default_factory=dict)  # episode-shape fields given as flags: they override every run's
+
+
+@dataclass
+class Contestant:
+    label: str
+    policy: object  # rollout.Policy
+    shape: EpisodeShape
+    backend: str  # cpu | local | serverless | tinker | api (a prompted model)
+    price_model: str | None = None  # litellm name to price tokens with
+    history: Path | None = None  # a trained run's history.jsonl, for the learning curve
+    trained: bool = False  # a run (plays its own shape) rather than base or a prompted model
+
+    @property
+    def tool_choice(self) -> str:
+        return self.policy.tool_choice or "auto"
+
+    def rollout_config(self, scoring):
+        """`scoring` (a RolloutConfig carrying the reward mode and judge) in this contestant's episode shape."""
+        return replace(scoring, max_turns=self.shape.max_turns, max_body_chars=self.shape.max_body_chars,
+                       search_results=self.shape.search_results)
+
+
+async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncExitStack,
+                          default_shape: EpisodeShape | None = None) -> Contestant:
+    """A --model value -> a Contestant (servers it starts are closed by `stack`).
+
+    A run plays the episode shape it was trained with; `base` and prompted models play `default_shape`
+    (else the defaults); flags in `options.shape` override both.
+    """
+    from openai import AsyncOpenAI
+
+    from .rollout import Policy
+
+    name, _, step = spec.partition("@")
+    common = dict(max_concurrency=options.concurrency, temperature=options.temperature)
+    run = find_run(name, options.art_dir)
+    if run is not None:
+        shape = run.shape.override(**options.shape)
+        if run.backend == "cpu":
+            number, ckpt = run.checkpoint(step)
+            label = f"{run.name}@{number}"
+            client = await serve_on_cpu(run.base_model, ckpt, label, options, stack)
+        else:
+            client, label, served = await serve_with_art(run, step, stack, options.timeout)
+        policy = Policy(client, label if run.backend == "cpu" else served, max_tokens=shape.max_tokens, **common)
+        return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl", trained=True)
+
+    shape = (default_shape or EpisodeShape()).override(**options.shape)
+    if name == "base":
+        label = f"base:{Path(options.base_model).name}"
+        client = await serve_on_cpu(options.base_model, None, label, options, stack)
+        return Contestant(label, Policy(client, label, max_tokens=shape.max_tokens, **common), shape, "cpu")
+
+    provider, _, model = name.partition("/")
+    if not model:
+        raise DataError(f"--model {spec!r} is neither a run under {options.art_dir}/*/models, 'base', nor a "
+                        f"provider/model name such as openai/o4-mini or hosted_vllm/<name> (with --base-url).")
+    base_url = options.base_url or (os.environ.get("OPENAI_BASE_URL") if provider == "openai" else None)
+    if provider != "openai" and not base_url:
+        raise DataError(f"--model {spec}: give --base-url of an OpenAI-compatible server (vLLM, a litellm proxy...).")
+    api_key = options.api_key or os.environ.get("OPENAI_API_KEY" if provider == "openai" else "POLICY_API_KEY")
+    if provider == "openai" and not (api_key or options.base_url):
+        raise DataError(f"--model {spec}: set OPENAI_API_KEY (or pass --api-key).")
+    served = model if provider in ("openai", "hosted_vllm") else name
+    reasoning = provider == "openai" and model.startswith(("o1", "o3", "o4", "gpt-5"))
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=options.timeout, max_retries=3)
+    # Prompted models are told they must call a tool (as ART·E's baselines were); trained ones learned to.
+    policy = Policy(client, served, logprobs=False, tool_choice="required", max_tokens=shape.max_tokens,
+                    **{**common, "temperature": None if reasoning else options.temperature})
+    return Contestant(spec, policy, shape, "api", price_model=name)
+
+
+async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str, options: Options,
+                       stack: contextlib.AsyncExitStack):
+    from openai import AsyncOpenAI
+
+    from .backends.cpu import CheckpointError, serve_checkpoint
+
+    try:
+        base_url = await stack.enter_async_context(
+            serve_checkpoint(base_model, None if checkpoint is None else str(checkpoint), label, seed=options.seed,
+                             max_batch_size=options.concurrency))
+    except CheckpointError as exc:
+        raise DataError(str(exc)) from None
+    return AsyncOpenAI(base_url=base_url, api_key="local", timeout=options.timeout, max_retries=2)
+
+
+async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, timeout: float):
+    """A run trained on an ART backend, served by that backend: register a model of the same name, project
+    and folder (as training does), then ask for the step. Returns (client, label, served model name)."""
+    import art
+    from openai import AsyncOpenAI
+
+    from . import backends
+
+    cfg = SimpleNamespace(**{**run.config, "art_dir": run.art_dir})
+    if step not in ("", "latest") and not step.isdigit():
+        raise DataError(f"--model {run.name}@{step}: a step is a number or 'latest'.")
+    try:
+        backend = backends.make_backend(run.backend, cfg)
+    except backends.BackendError as exc:
+        raise DataError(cannot_serve(run, step, str(exc))) from None
+    stack.push_async_callback(backend.close)
+    model = art.TrainableModel(name=run.name, project=run.project, base_model=run.base_model, base_path=run.art_dir,
+                               _internal_config=backends.internal_config(cfg) if run.backend == "local" else None)
+    try:
+        await model.register(backend)
+        latest = await model.get_step()
+        wanted = latest if step in ("", "latest") else int(step)
+        if run.backend == "local" and wanted != latest:
+            # ART 0.5.18 serves only the latest step and has no public call for another: load that LoRA
+            # into the running vLLM the way ART itself does after each training step.
+            _, folder = run.checkpoint(str(wanted))
+            await load_lora_adapter(model.inference_base_url, model.inference_api_key,
+                                    model.get_inference_name(wanted), str(folder.resolve()))
+        served = model.get_inference_name(wanted)
+        # Our own client on the model's endpoint and key, as training's Policy.for_model does: ART 0.5.18's
+        # model.openai_client() hands openai an httpx.Timeout it cannot add to a float (TypeError per request).
+        client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key or "none",
+                             timeout=timeout, max_retries=2)
+    except DataError:
+        raise
+    except Exception as exc:  # a runtime that will not build or start: say so, with the way around it
+        raise DataError(cannot_serve(run, step, f"{type(exc).__name__}: {str(exc)[:300]}")) from None
+    return client, f"{run.name}@{wanted}", served
+
+
+async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, path: str) -> None:
+    import httpx
+
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/load_lora_adapter"
+    async with httpx.AsyncClient(timeout=120.0) as client:
+        response = await client.post(url, json={"lora_name": lora_name, "lora_path": path, "load_inplace": True},
+                                     headers={"Authorization": f"Bearer {api_key or 'none'}"})
+    if response.status_code >= 400:
+        raise DataError(f"vLLM would not load the LoRA {path} as {lora_name} (HTTP {response.status_code}: "
+                        f"{response.text[:200]}).")
+
+
+def cannot_serve(run: Run, step: str, reason: str) -> str:
+    """What is missing to serve a run the way it was trained, and the way around it."""
+    message = f"run {run.name!r} was trained on the {run.backend} backend, which cannot serve it here: {reason}"
+    steps = run.steps()
+    if not steps:
+        return message + (f" Its checkpoints are not in {run.path / 'checkpoints'}; evaluate it where it was "
+                          f"trained, or copy its folder there first.")
+    number = steps[-1] if step in ("", "latest") or not step.isdigit() else int(step)
+    folder = run.path / "checkpoints" / f"{number:04d}"
+    rank = run.config.get("lora_rank", 8)
+    return message + (f" To evaluate it anyway, serve the checkpoint with vLLM on a GPU machine: `vllm serve "
+                      f"{run.base_model} --enable-lora --max-lora-rank {rank} --lora-modules {run.name}={folder} "
+                      f"--enable-auto-tool-choice --tool-call-parser hermes`, then pass --model "
+                      f"hosted_vllm/{run.name} --base-url http://HOST:8000/v1 (see the README, 'A GPU run, "
+                      f"evaluated anywhere').")
+
+
+# ----------------------------------------------------------------------------------------------
+# Fail fast: one cheap request per contestant before the first rollout
+# ----------------------------------------------------------------------------------------------
+
+PROBE_TIMEOUT_S = 20.0
+
+
+async def probe(contestant: Contestant) -> None:
+    """Raise DataError if the contestant's endpoint is unreachable, refuses the key or does not serve the model.
+
+    GET /models first (free, and what every OpenAI-compatible server answers); when the model is not in the
+    list, or the server has no such route, a one-token chat request decides.
+    """
+    import openai
+
+    client = contestant.policy.client.with_options(max_retries=0, timeout=PROBE_TIMEOUT_S)
+    model, where = contestant.policy.model, str(client.base_url)
+    served: list[str] = []
+
+    def failure(exc: Exception) -> DataError:
+        if isinstance(exc, openai.APIConnectionError):  # refused, DNS, timeout
+            return DataError(f"{contestant.label}: cannot reach {where} ({type(exc).__name__}); is the server up "
+                             f"and the --base-url right?")
+        if isinstance(exc, (openai.AuthenticationError, openai.PermissionDeniedError)):
+            return DataError(f"{contestant.label}: {where} refused the API key (HTTP {exc.status_code}); check "
+                             f"--api-key, OPENAI_API_KEY or POLICY_API_KEY.")
+        if isinstance(exc, openai.NotFoundError):
+            listed = f"; it serves {', '.join(served[:10])}" if served else ""
+            return DataError(f"{contestant.label}: {where} does not serve a model named {model!r}{listed}.")
+        return DataError(f"{contestant.label}: {where} answered the probe with HTTP "
+                         f"{getattr(exc, 'status_code', '?')}: {str(exc)[:200]}")
+
+    try:
+        page = await client.models.list()
+        served = [m.id for m in page.data]
+        if not served or model in served:
+            return
+    except (openai.APIConnectionError, openai.AuthenticationError, openai.PermissionDeniedError) as exc:
+        raise failure(exc) from None
+    except openai.APIStatusError:
+        pass  # no /models route here: ask for one token instead
+    try:
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say OK."}],
+                                             max_completion_tokens=1)
+    except openai.BadRequestError:
+        return  # reachable, authorised, the model exists; the request's shape is the rollout's business
+    except (openai.APIConnectionError, openai.APIStatusError) as exc:
+        raise failure(exc) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Records: one per question x model
+# ----------------------------------------------------------------------------------------------
+
+def cost_usd(price_model: str | None, prompt_tokens: int, completion_tokens: int) -> float | None:
+    if price_model is None:
+        return None
+    import litellm
+
+    try:
+        prompt_cost, completion_cost = litellm.cost_per_token(model=price_model, prompt_tokens=prompt_tokens,
+                                                              completion_tokens=completion_tokens)
+    except Exception:  # litellm raises for models it has no price for
+        return None
+    return prompt_cost + completion_cost
+
+
+def make_record(contestant: Contestant, question: Question, traj, config) -> dict:
+    """One line of results.jsonl: enough to report, re-judge and warm-start from without re-running."""
+    m, meta = traj.metrics, traj.metadata
+    verdict = None
+    if meta.get("answer") is not None:
+        verdict = {"correct": bool(m["answer_correct"]), "judge": meta.get("verdict_judge"),
+                   "reasoning": meta.get("verdict_reasoning"), "error": meta.get("verdict_error")}
+    return {"model": contestant.label, "question_id": question.id, "question": question.question,
+            "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
+            "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
+            "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
+            "episode": asdict(contestant.shape), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
+            "metrics": dict(m), "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
+            "error": meta.get("error"), "messages": traj.messages()}
+
+
+async def rejudge_record(record: dict, config) -> dict:
+    """Re-score a stored record with another judge: the answer stays, the verdict and reward change."""
+    from .rewards import Rubric
+    from .rollout import grade
+
+    fields = Rubric.__dataclass_fields__
+    rubric = Rubric(**{k: v for k, v in record["metrics"].items() if k in fields})
+    rubric.answer_correct = rubric.hallucinated = rubric.judge_error = rubric.attempted_answer = 0
+    rubric.returned_i_dont_know = rubric.sources_correct = 0
+    question = Question(record["question_id"], record["question"], record["gold_answer"], record["gold_message_ids"],
+                        None, record["inbox"], record["query_date"], "")
+    verdict = await grade(rubric, question, record["answer"], record["sources"], config)
+    max_turns = record.get("max_turns", config.max_turns)
+    new = dict(record, metrics={**record["metrics"], **{k: getattr(rubric, k) for k in fields}},
+               reward=rewards.reward(config.reward, rubric, max_turns, len(record["sources"])),
+               reward_mode=config.reward)
+    new["verdict"] = None if verdict is None else {"correct": verdict.correct, "judge": verdict.judge,
+                                                   "reasoning": verdict.reasoning, "error": verdict.error}
+    return new
+
+
+def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str):
+    """A RolloutConfig carrying how answers are graded (each contestant adds its episode shape)."""
+    from .rollout import RolloutConfig
+
+    mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
+    if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
+        mode = "shaped" if judge else "offline"
+    return RolloutConfig(reward=mode, judge=judge)
+
+
+def shared_run_shape(specs: list[str], art_dir: str) -> EpisodeShape | None:
+    """The episode shape of the trained runs among `specs` if they all share one: `base` and prompted models
+    then play that shape too, so a comparison with a trained run is like for like."""
+    shapes = {run.shape for spec in specs if (run := find_run(spec.partition("@")[0], art_dir)) is not None}
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------------
+# ask: one question of the user's own, no gold answer
+# ----------------------------------------------------------------------------------------------
+
+def adhoc_question(db, text: str, inbox: str, as_of: str | None) -> Question:
+    """A question asked with `ask`: no gold answer or emails, so the rollout grades nothing."""
+    from datetime import date
+
+    from .data import day_after
+
+    if not text.strip():
+        raise DataError("the question is empty.")
+    if db.inbox_size(inbox) == 0:
+        known = ", ".join(f"{address} ({count})" for address, count in db.largest_inboxes(5))
+        raise DataError(f"{db.path} has no mail sent or received by {inbox!r}; its largest inboxes: {known}.")
+    as_of = as_of or date.today().isoformat()
+    try:
+        day_after(as_of)
+    except ValueError:
+        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
+    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")

@@ -1,0 +1,118 @@
+"""`train_email_search_agent.py ask`: one question to an agent, through the same rollout, shown as it happens."""
+
+import json
+
+import pytest
+
+from email_agent import questions as qmod
+from scripted_server import call, expert_script, serve_in_thread
+from test_evaluate import GPU_SHAPE, ServingBackend, make_gpu_run
+
+import train_email_search_agent as cli
+
+
+@pytest.fixture(scope="module")
+def q(demo_db):
+    return qmod.select_questions(demo_db, "test", seed=0, limit=1)[0]
+
+
+def ask(*argv):
+    return cli.main(["ask", *map(str, argv)])
+
+
+def test_ask_shows_each_call_then_the_answer_and_cited_emails(demo_db, demo_db_path, q, tmp_path, capsys):
+    with serve_in_thread({q.question: expert_script(q)}) as server:
+        rc = ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/x",
+                 "--base-url", server.base_url, "--art-dir", tmp_path)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lines = out.out.splitlines()
+    gold = demo_db.read(q.message_ids[0])
+    assert lines[0].startswith("> search_inbox {") and "result(s)" in lines[1]
+    assert lines[2] == f'> read_email {{"message_id": "{gold.message_id}"}}'
+    assert gold.subject[:40] in lines[3] and gold.from_address in lines[3]
+    assert lines[4].startswith("> return_final_answer")
+    assert f"answer: {q.answer}" in lines
+    assert lines[-1] == f"  {gold.date}  {gold.from_address}  {gold.subject}  {gold.message_id}"
+    assert "tool_choice" not in out.out and "correct" not in out.out  # no gold answer, nothing graded
+
+
+def test_ask_json(demo_db_path, q, tmp_path, capsys):
+    script = [{"text": "let me think"}, *expert_script(q)]
+    with serve_in_thread({q.question: script}) as server:
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/x",
+                   "--base-url", server.base_url, "--json", "--as-of", q.query_date, "--art-dir", tmp_path) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["answer"] == q.answer and result["sources"] == q.message_ids and result["turns"] == 4
+    assert [c["tool"] for c in result["tool_calls"]] == [None, "search_inbox", "read_email", "return_final_answer"]
+    assert result["cited"][0]["message_id"] == q.message_ids[0] and result["as_of"] == q.query_date
+
+
+def test_ask_without_model_uses_the_most_recent_run_and_its_shape(demo_db_path, q, tmp_path, capsys, monkeypatch):
+    from email_agent import backends
+
+    assert ask("Anything?", "--inbox", q.inbox_address, "--db", demo_db_path, "--art-dir", tmp_path / "none") == 1
+    err = capsys.readouterr().err
+    assert "no trained run under" in err and "--model" in err and "base" in err and "Traceback" not in err
+
+    make_gpu_run(tmp_path / "art")
+    with serve_in_thread({q.question: expert_script(q)}) as server:
+        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--art-dir", tmp_path / "art",
+                   "--json") == 0
+        policy_requests = [r for r in server.requests if r.get("tools")]
+    assert {r["model"] for r in policy_requests} == {"gpu@2"}
+    assert {r["max_completion_tokens"] for r in policy_requests} == {GPU_SHAPE["max_tokens"]}
+    assert json.loads(capsys.readouterr().out)["model"] == "gpu@2"
+
+
+def test_ask_out_of_turns_and_made_up_sources(demo_db_path, q, tmp_path, capsys):
+    wander = [call("search_inbox", {"keywords": ["zebra"]})] * 2
+    made_up = [call("return_final_answer", {"answer": "Room 9", "sources": ["<nope@x>"]})]
+    with serve_in_thread({"a": {q.question: wander}, "b": {q.question: made_up}}) as server:
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/a",
+                   "--base-url", server.base_url, "--max-turns", 2, "--art-dir", tmp_path) == 0
+        assert "no answer after 2 turns" in capsys.readouterr().out
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/b",
+                   "--base-url", server.base_url, "--art-dir", tmp_path) == 0
+        assert "<nope@x>  (not an email in this inbox" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--inbox", "nobody@nowhere.example"], "has no mail sent or received by 'nobody@nowhere.example'; its largest inboxes: "),
+    (["--as-of", "yesterday"], "--as-of must be a date"),
+    (["--model", "hosted_vllm/x", "--base-url", "http://127.0.0.1:9/v1"], "cannot reach http://127.0.0.1:9/v1"),
+    (["--model", "nonsense"], "neither a run"),
+])
+def test_ask_bad_input_is_one_clear_error(demo_db_path, q, tmp_path, capsys, argv, message):
+    defaults = {"--inbox": q.inbox_address, "--model": "hosted_vllm/x", "--base-url": "http://127.0.0.1:9/v1"}
+    given = dict(zip(argv[::2], argv[1::2]))
+    flags = [x for k, v in {**defaults, **given}.items() for x in (k, v)]
+    assert ask(q.question, "--db", demo_db_path, "--art-dir", tmp_path, *flags) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_the_rollout_hook_sees_every_action(demo_db, q):
+    import asyncio
+
+    from email_agent.rollout import Policy, RolloutConfig, rollout
+    from openai import AsyncOpenAI
+
+    seen = []
+    with serve_in_thread({q.question: [{"text": "hmm"}, call("nope", {}), *expert_script(q)]}) as server:
+        policy = Policy(AsyncOpenAI(base_url=server.base_url, api_key="x"), "x")
+        traj = asyncio.run(rollout(policy, q, demo_db, RolloutConfig(), on_call=lambda *a: seen.append(a)))
+    assert [(name, outcome.error if outcome else None) for name, _, outcome in seen] == [
+        (None, None), ("nope", "bad_tool_name"), ("search_inbox", None), ("read_email", None),
+        ("return_final_answer", None)]
+    assert seen[0][1] == "hmm" and traj.metrics["answer_correct"] == 1  # graded: a real question has a gold answer
+
+
+@pytest.mark.slow
+def test_ask_the_real_base_model_on_cpu(demo_db_path, q, tmp_path, capsys):
+    """SmolLM2-135M, untrained, one short turn: the CPU path end to end (it rarely calls a tool; that is fine)."""
+    assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "base", "--max-turns", 1,
+               "--max-tokens", 16, "--json", "--art-dir", tmp_path) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"] == "base:SmolLM2-135M-Instruct" and result["turns"] == 1 and len(result["tool_calls"]) >= 1
