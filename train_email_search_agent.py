@@ -539,7 +539,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "as training and evaluation: each tool call is shown as it happens, then the answer "
                                    "and the cited emails. No gold answer, so nothing is graded. Example: python "
                                    "train_email_search_agent.py ask --db data/demo.db --inbox "
-                                   "maya.okafor@larkspur.example 'When is the Egret kickoff?'")
+                                   "priya.natarajan@larkspur.example 'Where is the Egret kickoff being held?'")
     p.add_argument("question", metavar="QUESTION")
     p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
     p.add_argument("--as-of", metavar="DATE", help="the agent's today: mail dated later is hidden (default: today)")
