@@ -619,7 +619,7 @@ def make_parser() -> argparse.ArgumentParser:
                                    "as training and evaluation: each tool call is shown as it happens, then the answer "
                                    "and the cited emails. No gold answer, so nothing is graded. Example: python "
                                    "train_email_search_agent.py ask --db data/demo.db --inbox "
-                                   "maya.okafor@larkspur.example 'When is the Egret kickoff?'")
+                                   "priya.natarajan@larkspur.example 'Where is the Egret kickoff being held?'")
     p.add_argument("question", metavar="QUESTION")
     p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
     p.add_argument("--as-of", metavar="DATE", help="the agent's today: mail dated later is hidden (default: today)")
@@ -653,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; re-run the same command to resume from the last checkpoint", file=sys.stderr)
+        print("interrupted; re-run the same command to resume from the last checkpoint" if args.command == "train"
+              else "interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()

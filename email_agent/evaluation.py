@@ -153,7 +153,6 @@ class Contestant:
     backend: str  # cpu | local | serverless | tinker | api (a prompted model)
     price_model: str | None = None  # litellm name to price tokens with
     history: Path | None = None  # a trained run's history.jsonl, for the learning curve
-    trained: bool = False  # a run (plays its own shape) rather than base or a prompted model
 
     @property
     def tool_choice(self) -> str:
@@ -188,7 +187,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
         else:
             client, label, served = await serve_with_art(run, step, stack, options.timeout)
         policy = Policy(client, label if run.backend == "cpu" else served, max_tokens=shape.max_tokens, **common)
-        return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl", trained=True)
+        return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl")
 
     shape = (default_shape or EpisodeShape()).override(**options.shape)
     if name == "base":

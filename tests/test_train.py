@@ -215,3 +215,46 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
     assert backends.make_backend("serverless", cli.TrainConfig()) == "S"
     assert calls == [("serverless", {})]
     assert "wandb-secret-123" not in capsys.readouterr().out
+
+
+def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
+    from email_agent.evaluation import find_run
+    from email_agent.episode import EpisodeShape
+
+    cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
+                                                             "--max-turns", "5"]))
+    cli.prepare_run(cfg, "cpu")
+    saved = json.loads((cli.run_dir(cfg) / "run_config.json").read_text())
+    assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
+    run = find_run("demo", str(tmp_path))
+    assert run.shape == EpisodeShape(5, 64, 600, 3) and run.backend == "cpu"
+    # A run saved before the "episode" entry existed: its top-level flags say the same.
+    assert EpisodeShape.from_run_config({k: v for k, v in saved.items() if k != "episode"}) == run.shape
+    assert EpisodeShape.from_run_config({}) == EpisodeShape()
+
+
+def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, tmp_path, monkeypatch):
+    import art
+
+    from email_agent import questions, tracing
+
+    qs = questions.select_questions(demo_db, "train", seed=0)[:3]
+    traced = []
+
+    def fake_traced(project, rollout, judge=None):
+        async def wrapper(*args, **kwargs):
+            traced.append(project)
+            return await rollout(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tracing, "traced_rollout", fake_traced)
+    monkeypatch.setattr(art.Model, "_get_wandb_run", lambda self: None)  # W&B metrics are ART's business (and
+    # the wandb package is not installed here); this test is about the Weave traces
+    with serve_in_thread({q.question: expert_script(q) for q in qs}) as server:
+        monkeypatch.setattr(backends, "cuda_available", lambda: True)
+        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: RecordingBackend(server.base_url))
+        cfg = cli.TrainConfig(name="w", art_dir=str(tmp_path), db=str(demo_db_path), val_size=1, train_limit=2,
+                              groups_per_step=1, rollouts_per_group=2, max_steps=1, eval_every=5, wandb=True,
+                              project="p")
+        asyncio.run(cli.train(cfg))
+    assert traced == ["p", "p"]  # both rollouts of the one training group went through the traced function
