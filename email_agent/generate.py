@@ -132,7 +132,8 @@ def open_for_writing(db_path: str | Path) -> sqlite3.Connection:
         raise DataError(f"No database at {path}; run `python train_email_search_agent.py build-db --emails ...` first.")
     conn = sqlite3.connect(path, timeout=60, isolation_level=None)
     try:
-        conn.execute("SELECT 1 FROM emails, mailbox, questions LIMIT 1").fetchall()
+        for table in ("emails", "mailbox", "recipients", "questions"):  # one at a time: a join of them is a scan
+            conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchall()
     except sqlite3.DatabaseError as exc:
         conn.close()
         raise DataError(f"{path} is not an email database built by this tool ({exc}); rebuild it with build-db.") from None
