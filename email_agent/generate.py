@@ -83,6 +83,7 @@ class GenerateSummary:
     batches: int = 0  # batches used (asked or from the cache)
     cached: int = 0  # of which answered from the cache
     candidates: int = 0
+    beyond_limit: int = 0  # valid, but past --max-questions (their replies stay cached for a later run)
     added: dict[str, int] = field(default_factory=dict)  # split -> new questions stored
     rejected: Counter = field(default_factory=Counter)  # reason -> candidates
     examples: dict[str, str] = field(default_factory=dict)  # reason -> the first rejected question
@@ -96,7 +97,8 @@ class GenerateSummary:
         cost = "unknown (litellm has no price for this model)" if self.cost_usd is None else f"${self.cost_usd:.4f}"
         out = [f"inboxes     {', '.join(self.inboxes)}",
                f"batches     {self.batches} ({self.cached} from the cache)",
-               f"candidates  {self.candidates}: added {added}; rejected {sum(self.rejected.values())}",
+               f"candidates  {self.candidates}: added {added}; rejected {sum(self.rejected.values())}"
+               + (f"; {self.beyond_limit} left over past --max-questions" if self.beyond_limit else ""),
                *(f"  rejected {n:>4}  {reason}  (e.g. {self.examples[reason]!r})"
                  for reason, n in self.rejected.most_common()),
                *(f"  failed batches {n:>3}  {reason}" for reason, n in self.failed_batches.most_common()),
@@ -428,6 +430,7 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
         accepted = asyncio.run(_run(batches, conn, cfg, cache, stored, summary, progress))
         if cfg.max_questions:
+            summary.beyond_limit = max(0, len(accepted) - cfg.max_questions)
             accepted = accepted[:cfg.max_questions]
         if summary.failed_batches and summary.batches == sum(summary.failed_batches.values()):
             reason = summary.failed_batches.most_common(1)[0][0]

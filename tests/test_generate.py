@@ -129,6 +129,18 @@ def test_cost_is_counted_where_litellm_knows_the_price(db_path):
     assert again.rejected["already in the database"] == 9  # the 6 stored and their 3 rephrasings
 
 
+def test_max_questions_stops_early_and_leftovers_come_next_time(db_path):
+    with serve_in_thread({"gen": good_and_bad}) as server:
+        first = generate.generate_questions(db_path, config(server.base_url, max_questions=4, concurrency=2),
+                                            progress=False)
+        assert first.batches == 2 and sum(first.added.values()) == 4 and first.beyond_limit == 0
+        second = generate.generate_questions(db_path, config(server.base_url, max_questions=1, concurrency=1),
+                                             progress=False)
+        assert sum(second.added.values()) == 1 and second.beyond_limit == 1
+        assert "1 left over past --max-questions" in "\n".join(second.lines())
+    assert len(server.requests) == 3 and len(stored(db_path)) == 5  # every batch asked once
+
+
 def test_split_never_shares_an_email_between_train_and_test():
     import random
 
