@@ -418,8 +418,10 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
     """Generate, validate, split and store questions for cfg.inboxes; see the module docstring for guarantees."""
     if not 0 <= cfg.test_fraction < 1:
         raise DataError(f"--test-fraction must be in [0, 1), not {cfg.test_fraction}")
-    if cfg.batch_size < 1 or cfg.max_questions < 0:
-        raise DataError("--batch-size must be at least 1 and --max-questions at least 0")
+    if cfg.batch_size < 1 or cfg.concurrency < 1 or cfg.max_questions < 0:
+        raise DataError("--batch-size and --concurrency must be at least 1, and --max-questions at least 0")
+    if not 0 <= cfg.min_realistic <= 1:
+        raise DataError(f"--min-realistic must be in [0, 1], not {cfg.min_realistic}")
     conn = open_for_writing(db_path)
     try:
         summary = GenerateSummary(inboxes=pick_inboxes(conn, cfg.inboxes))
