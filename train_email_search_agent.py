@@ -78,6 +78,10 @@ def build_db(args) -> None:
 
 def generate_questions(args) -> None:
     import os
+    import warnings
+
+    # litellm's response objects trip pydantic's serializer checks on every call: harmless, and not the user's problem.
+    warnings.filterwarnings("ignore", message="Pydantic serializer warnings", category=UserWarning)
 
     from email_agent.generate import GenerateConfig, cache_path, generate_questions
 

@@ -211,7 +211,8 @@ def read_parquet(path: Path) -> Iterator[dict]:
 
 
 # Files in mail folders that are not mail: Thunderbird indexes, Apple Mail and Dovecot/Courier bookkeeping.
-NOT_MAIL_SUFFIXES = (".msf", ".plist", ".index", ".cache", ".log", ".json", ".dat", ".db", ".sqlite", ".toc")
+NOT_MAIL_SUFFIXES = (".msf", ".plist", ".index", ".cache", ".log", ".json", ".dat", ".db", ".sqlite", ".toc",
+                     ".html", ".htm")  # Thunderbird writes filterlog.html beside its folders
 NOT_MAIL_NAMES = {"maildirfolder", "dovecot-uidlist", "dovecot-keywords", "dovecot-uidvalidity", "subscriptions",
                   "courierimapkeywords", "courierimapuiddb", "courierimapacl", "table_of_contents", "msgFilterRules.dat"}
 

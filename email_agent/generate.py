@@ -83,6 +83,7 @@ class GenerateSummary:
     batches: int = 0  # batches used (asked or from the cache)
     cached: int = 0  # of which answered from the cache
     candidates: int = 0
+    beyond_limit: int = 0  # valid, but past --max-questions (their replies stay cached for a later run)
     added: dict[str, int] = field(default_factory=dict)  # split -> new questions stored
     rejected: Counter = field(default_factory=Counter)  # reason -> candidates
     examples: dict[str, str] = field(default_factory=dict)  # reason -> the first rejected question
@@ -96,7 +97,8 @@ class GenerateSummary:
         cost = "unknown (litellm has no price for this model)" if self.cost_usd is None else f"${self.cost_usd:.4f}"
         out = [f"inboxes     {', '.join(self.inboxes)}",
                f"batches     {self.batches} ({self.cached} from the cache)",
-               f"candidates  {self.candidates}: added {added}; rejected {sum(self.rejected.values())}",
+               f"candidates  {self.candidates}: added {added}; rejected {sum(self.rejected.values())}"
+               + (f"; {self.beyond_limit} left over past --max-questions" if self.beyond_limit else ""),
                *(f"  rejected {n:>4}  {reason}  (e.g. {self.examples[reason]!r})"
                  for reason, n in self.rejected.most_common()),
                *(f"  failed batches {n:>3}  {reason}" for reason, n in self.failed_batches.most_common()),
@@ -132,7 +134,8 @@ def open_for_writing(db_path: str | Path) -> sqlite3.Connection:
         raise DataError(f"No database at {path}; run `python train_email_search_agent.py build-db --emails ...` first.")
     conn = sqlite3.connect(path, timeout=60, isolation_level=None)
     try:
-        conn.execute("SELECT 1 FROM emails, mailbox, questions LIMIT 1").fetchall()
+        for table in ("emails", "mailbox", "recipients", "questions"):  # one at a time: a join of them is a scan
+            conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchall()
     except sqlite3.DatabaseError as exc:
         conn.close()
         raise DataError(f"{path} is not an email database built by this tool ({exc}); rebuild it with build-db.") from None
@@ -415,8 +418,10 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
     """Generate, validate, split and store questions for cfg.inboxes; see the module docstring for guarantees."""
     if not 0 <= cfg.test_fraction < 1:
         raise DataError(f"--test-fraction must be in [0, 1), not {cfg.test_fraction}")
-    if cfg.batch_size < 1 or cfg.max_questions < 0:
-        raise DataError("--batch-size must be at least 1 and --max-questions at least 0")
+    if cfg.batch_size < 1 or cfg.concurrency < 1 or cfg.max_questions < 0:
+        raise DataError("--batch-size and --concurrency must be at least 1, and --max-questions at least 0")
+    if not 0 <= cfg.min_realistic <= 1:
+        raise DataError(f"--min-realistic must be in [0, 1], not {cfg.min_realistic}")
     conn = open_for_writing(db_path)
     try:
         summary = GenerateSummary(inboxes=pick_inboxes(conn, cfg.inboxes))
@@ -427,6 +432,7 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
         accepted = asyncio.run(_run(batches, conn, cfg, cache, stored, summary, progress))
         if cfg.max_questions:
+            summary.beyond_limit = max(0, len(accepted) - cfg.max_questions)
             accepted = accepted[:cfg.max_questions]
         if summary.failed_batches and summary.batches == sum(summary.failed_batches.values()):
             reason = summary.failed_batches.most_common(1)[0][0]

@@ -129,6 +129,18 @@ def test_cost_is_counted_where_litellm_knows_the_price(db_path):
     assert again.rejected["already in the database"] == 9  # the 6 stored and their 3 rephrasings
 
 
+def test_max_questions_stops_early_and_leftovers_come_next_time(db_path):
+    with serve_in_thread({"gen": good_and_bad}) as server:
+        first = generate.generate_questions(db_path, config(server.base_url, max_questions=4, concurrency=2),
+                                            progress=False)
+        assert first.batches == 2 and sum(first.added.values()) == 4 and first.beyond_limit == 0
+        second = generate.generate_questions(db_path, config(server.base_url, max_questions=1, concurrency=1),
+                                             progress=False)
+        assert sum(second.added.values()) == 1 and second.beyond_limit == 1
+        assert "1 left over past --max-questions" in "\n".join(second.lines())
+    assert len(server.requests) == 3 and len(stored(db_path)) == 5  # every batch asked once
+
+
 def test_split_never_shares_an_email_between_train_and_test():
     import random
 
@@ -240,6 +252,14 @@ def test_cli_errors_are_one_sentence_and_the_key_is_never_shown(db_path, tmp_pat
     assert "sk-very-secret-123" not in out + err
     assert server.requests  # the key was sent, only never shown
     assert stored(db_path) == []
+
+
+@pytest.mark.parametrize("bad", [dict(test_fraction=1.0), dict(test_fraction=-0.1), dict(batch_size=0),
+                                 dict(concurrency=0), dict(max_questions=-1), dict(min_realistic=1.5)])
+def test_bad_settings_are_one_sentence_errors_before_any_request(db_path, bad):
+    with pytest.raises(DataError, match="^--[a-z-]+ (must|and)"):
+        generate.generate_questions(db_path, config("http://127.0.0.1:9/v1", **bad), progress=False)
+    assert stored(db_path) == [] and not generate.cache_path(db_path).exists()
 
 
 def test_databases_built_before_the_model_columns_still_work(db_path):

@@ -162,6 +162,8 @@ def test_thunderbird_profile_and_nested_maildirs(tmp_path):
     (tb / "Inbox.msf").write_bytes(b"// <!-- <mdb:mork:z v=\"1.4\"/> -->\n< <(a=c)> // (f=iso-8859-1)")
     (tb / "Trash").write_bytes(b"")  # an empty folder
     (tb / "Archives.msf").write_bytes(b"junk")
+    (tb / "filterlog.html").write_bytes(b"<html><body>filter log</body></html>")
+    (tb / "msgFilterRules.dat").write_bytes(b'version="9"\nlogging="no"\n')
     (tb / "Archives.sbd" / "2024").write_bytes(mbox(HTML_ONLY))
     (tb / "Archives.sbd" / "2024.sbd" / "Receipts").write_bytes(mbox(HTML_ONLY, OUTLOOK_MIXED))  # HTML_ONLY twice
     md = tmp_path / "export" / "Maildir"
