@@ -657,8 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; re-run the same command to resume from the last checkpoint" if args.command == "train"
-              else "interrupted", file=sys.stderr)
+        resume = {"train": "; re-run the same command to resume from the last checkpoint",
+                  "generate-questions": "; nothing was stored: re-run to go on (answered batches are cached)"}
+        print("interrupted" + resume.get(args.command, ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
