@@ -100,6 +100,11 @@ async def evaluate(args) -> int:
                 print(f"\ninterrupted: writing the {len(records)} finished rollouts", file=sys.stderr)
                 finish(out, records, histories, [c.label for c in contestants])
                 return 130
+            except Exception:  # a bug, not a model's failure (those are recorded): keep what finished, then raise
+                for task in tasks:
+                    task.cancel()
+                finish(out, records, histories, [c.label for c in contestants])
+                raise
             finally:
                 bar.close()
     return finish(out, records, histories, [c.label for c in contestants])

@@ -354,3 +354,28 @@ def test_traced_rollout_wraps_the_judge_and_never_requires_weave(monkeypatch):
         raise RuntimeError("no WANDB_API_KEY")
     monkeypatch.setattr(weave, "init", no_weave)
     assert traced_rollout("p", rollout) is rollout  # tracing is a nicety: off, and the run goes on
+
+
+def test_a_crashing_rollout_keeps_the_finished_ones(demo_db_path, demo_questions, tmp_path, monkeypatch):
+    import asyncio
+
+    import email_agent.rollout
+
+    real_rollout = email_agent.rollout.rollout
+    crash_on = demo_questions[1].question
+
+    async def buggy_rollout(policy, question, db, config):
+        if question.question == crash_on:
+            await asyncio.sleep(3)  # after the other rollout has finished
+            raise RuntimeError("a bug in our own code")
+        return await real_rollout(policy, question, db, config)
+
+    monkeypatch.setattr(email_agent.rollout, "rollout", buggy_rollout)
+    scripts = {"expert": {q.question: expert_script(q) for q in demo_questions[:2]}}
+    with serve_in_thread(scripts) as server:
+        with pytest.raises(RuntimeError, match="a bug in our own code"):  # surfaces: it is a bug, not a failure
+            run_cli("--db", demo_db_path, "--model", "hosted_vllm/expert", "--base-url", server.base_url,
+                    "--limit", 2, "--concurrency", 1, "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
+    records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in records] == [demo_questions[0].question]
+    assert (tmp_path / "out" / "report.html").exists()  # the finished rollout is reported
