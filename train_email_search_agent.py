@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import shutil
 import signal
@@ -297,6 +298,10 @@ def episode_shape(cfg: TrainConfig) -> EpisodeShape:
     return EpisodeShape(cfg.max_turns, cfg.max_tokens, cfg.max_body_chars, cfg.search_results)
 
 
+def wandb_installed() -> bool:
+    return importlib.util.find_spec("wandb") is not None  # ART 0.5.18's model.log imports it for W&B metrics
+
+
 def prepare_run(cfg: TrainConfig, backend: str) -> None:
     """Resume a run of the same name, or start it; --fresh deletes it first. Saves the resolved config."""
     directory = run_dir(cfg)
@@ -414,6 +419,9 @@ async def train(cfg: TrainConfig) -> None:
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
+    if cfg.wandb and not wandb_installed():
+        raise DataError("--wandb logs through the wandb package, which is not installed here: "
+                        "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     prepare_run(cfg, backend_name)
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
         from email_agent.tracing import traced_rollout

@@ -248,6 +248,7 @@ def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, tmp_pa
         return wrapper
 
     monkeypatch.setattr(tracing, "traced_rollout", fake_traced)
+    monkeypatch.setattr(cli, "wandb_installed", lambda: True)
     monkeypatch.setattr(art.Model, "_get_wandb_run", lambda self: None)  # W&B metrics are ART's business (and
     # the wandb package is not installed here); this test is about the Weave traces
     with serve_in_thread({q.question: expert_script(q) for q in qs}) as server:
@@ -258,3 +259,11 @@ def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, tmp_pa
                               project="p")
         asyncio.run(cli.train(cfg))
     assert traced == ["p", "p"]  # both rollouts of the one training group went through the traced function
+
+
+def test_wandb_without_the_package_is_a_clear_error(demo_db_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "wandb_installed", lambda: False)
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--wandb",
+                     "--backend", "cpu"])
+    assert code == 1 and "pip install wandb==0.25.0" in capsys.readouterr().err
+    assert not (tmp_path / "email-agent").exists()  # refused before the run was created
