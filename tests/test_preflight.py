@@ -144,10 +144,7 @@ def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides)
         overrides = {k: v(server.base_url) if callable(v) else v for k, v in overrides.items()}  # e.g. a judge URL
         cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0, train_limit=4,
                               groups_per_step=2, rollouts_per_group=2, eval_every=100, **overrides)
-        try:
-            asyncio.run(cli.train(cfg))
-        finally:
-            made["server"] = server
+        asyncio.run(cli.train(cfg))
     return made
 
 
