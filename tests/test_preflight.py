@@ -157,6 +157,7 @@ def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, tmp_path, 
     assert len(made["backend"].train_calls) == 3
     assert "trainable groups     0/2" in out and "warning: cannot learn: no assistant turn has logprobs" in out
     assert out.count("LEARNED NOTHING") == 3
+    assert out.count("preflight: 2 groups x 2 rollouts") == 1  # the verdict comes with the first step only
     assert "3 steps in a row trained on nothing: the policy's replies carry no logprobs" in err
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
     rows = [row for row in history if "train/loss" in row]
