@@ -128,6 +128,13 @@ def test_judge_failures_fail_the_preflight(demo_db, qs):
     assert "APIConnectionError" in verdict.headline and "--judge-model" in verdict.headline
 
 
+def test_no_rollouts_at_all():
+    h = preflight.measure([])
+    verdict = preflight.diagnose(h, reward_mode="offline")
+    assert not verdict.ok and verdict.headline.startswith("cannot learn: every rollout failed")
+    assert preflight.idle_cause(h).startswith("every rollout failed")
+
+
 # ---- the train loop: verdict on the first step, shares on every step, preflight trains nothing -----------
 
 def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides):
