@@ -379,8 +379,8 @@ async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_confi
 def print_row(step, groups, result, seconds, health) -> None:
     trajs = [t for g in groups for t in g.trajectories]
     mean = lambda key: sum(t.metrics[key] for t in trajs) / max(len(trajs), 1)  # noqa: E731
-    learned = (f"learned from {health['trainable_group_share']:.0%} of groups, {health['trained_token_share']:.0%} "
-               f"of tokens" if health["trained_token_share"] > 0 else "LEARNED NOTHING")
+    learned = (f"trained on {health['trainable_group_share']:.0%} of groups, {health['trained_token_share']:.0%} of "
+               f"tokens" + ("" if health["trained_token_share"] > 0 else "  LEARNED NOTHING"))
     errors = "".join(f"  {label} {health[key]:.0f}" for key, label in
                      (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors")) if health[key])
     print(f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "

@@ -128,6 +128,13 @@ def test_judge_failures_fail_the_preflight(demo_db, qs):
     assert "APIConnectionError" in verdict.headline and "--judge-model" in verdict.headline
 
 
+def test_no_rollouts_at_all():
+    h = preflight.measure([])
+    verdict = preflight.diagnose(h, reward_mode="offline")
+    assert not verdict.ok and verdict.headline.startswith("cannot learn: every rollout failed")
+    assert preflight.idle_cause(h).startswith("every rollout failed")
+
+
 # ---- the train loop: verdict on the first step, shares on every step, preflight trains nothing -----------
 
 def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides):
@@ -144,10 +151,7 @@ def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides)
         overrides = {k: v(server.base_url) if callable(v) else v for k, v in overrides.items()}  # e.g. a judge URL
         cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0, train_limit=4,
                               groups_per_step=2, rollouts_per_group=2, eval_every=100, **overrides)
-        try:
-            asyncio.run(cli.train(cfg))
-        finally:
-            made["server"] = server
+        asyncio.run(cli.train(cfg))
     return made
 
 
@@ -160,6 +164,7 @@ def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, tmp_path, 
     assert len(made["backend"].train_calls) == 3
     assert "trainable groups     0/2" in out and "warning: cannot learn: no assistant turn has logprobs" in out
     assert out.count("LEARNED NOTHING") == 3
+    assert out.count("preflight: 2 groups x 2 rollouts") == 1  # the verdict comes with the first step only
     assert "3 steps in a row trained on nothing: the policy's replies carry no logprobs" in err
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
     rows = [row for row in history if "train/loss" in row]

@@ -51,6 +51,18 @@ def test_cpu_end_to_end_train_resume_evaluate(demo_db_path, tmp_path):
     assert any("val/reward" in row for row in history) and any("val/answer_correct" in row for row in history)
     config = json.loads((run / "run_config.json").read_text())
     assert config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["backend"] == "cpu"
+    assert "trainable groups" in first.stdout and re.search(r"^step\s+2\b.*trained on \d+% of groups",
+                                                            first.stdout, re.M)  # the first step's verdict
+
+    # a preflight of the warm-started run trains, logs and checkpoints nothing: the resume below is unchanged
+    history_before = (run / "history.jsonl").read_text()
+    check = subprocess.run(train_cmd(demo_db_path, art_dir, "--max-steps", 2, "--preflight"), capture_output=True,
+                           text=True, timeout=900)
+    assert check.returncode in (0, 1) and "Traceback" not in check.stderr, check.stderr[-3000:]
+    assert "trainable groups" in check.stdout and re.search(r"can learn|cannot learn|learns little",
+                                                            check.stdout + check.stderr)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ckpts
+    assert (run / "history.jsonl").read_text() == history_before
 
     second = subprocess.run(train_cmd(demo_db_path, art_dir, "--max-steps", 2), capture_output=True, text=True,
                             timeout=900)
