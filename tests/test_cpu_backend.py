@@ -15,7 +15,7 @@ import urllib.parse
 import pytest
 
 from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, parse_tool_calls, serve_checkpoint
-from email_agent.backends.cpu.engine import PrefixCache
+from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache
 from email_agent.backends.cpu.trainer import without_choice_tool_calls
 
 import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
@@ -268,6 +268,20 @@ def test_prefix_cache_keeps_longest_entries_within_its_budget():
     assert reused == 2  # the last prompt token is always computed, for its logits
     cache.store([7, 8], layers(2))  # over budget: the least recently used entry goes
     assert list(cache.entries) == [(7, 8)] and cache.bytes == 16
+
+
+def test_growing_kv_layer_matches_concatenation_and_grows_past_its_room():
+    short, long = torch.randn(1, 3, 4, 8), torch.randn(2, 3, 6, 8)
+    layer = GrowingLayer([short, long], [short * 2, long * 2], width=6, headroom=2)
+    padded = torch.cat([torch.nn.functional.pad(short, (0, 0, 2, 0)), long])  # left padding is zeros
+    assert torch.equal(layer.keys, padded) and torch.equal(layer.values, padded * 2)
+    reference = padded
+    for _ in range(5):  # 2 positions of room, then it must grow
+        new = torch.randn(3, 3, 1, 8)
+        keys, values = layer.update(new, new * 2)
+        reference = torch.cat([reference, new], dim=2)
+        assert torch.equal(keys, reference) and torch.equal(values, reference * 2)
+    assert layer.get_seq_length() == 11
 
 
 # ----------------------------------------------------------------------------------------------

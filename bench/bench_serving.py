@@ -1,0 +1,141 @@
+"""Serving speed of the CPU backend on agent-length conversations (a script that prints figures; not a test).
+
+Plays EPISODES scripted episodes at once against `serve_checkpoint`, as the evaluation does: each turn sends
+the whole conversation (the tool block, the system prompt, the question and every earlier turn; 1-3k tokens
+by the last turn), greedy, at most MAX_TOKENS new tokens. Between turns the script appends real tool results
+from the demo inbox (a search, the gold email, another search), whatever the model said, so every engine
+configuration below does the same work when its greedy tokens agree. The prefix cache serves each turn's
+shared start: only what an episode added since its last turn is prefilled.
+
+Each configuration runs in the same process, one after the other, on the same episodes; the first one is
+the reference for greedy agreement (identical token ids per request), which exact levers must keep at 100%.
+
+    python train_email_search_agent.py build-db --demo --db /tmp/cpu-demo.db
+    .venv/bin/python bench/bench_serving.py --db /tmp/cpu-demo.db [--checkpoint DIR] [--rounds 2]
+
+Figures depend on what else runs on the machine; the load average is printed for that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from email_agent.backends.cpu import engine, serve_checkpoint  # noqa: E402  (offline litellm default first)
+from email_agent.data import EmailDB  # noqa: E402
+from email_agent.questions import select_questions  # noqa: E402
+from email_agent.rollout import SYSTEM_PROMPT, assistant_message  # noqa: E402
+from email_agent.tools import TOOLS, Inbox, call_tool  # noqa: E402
+
+import openai  # noqa: E402
+import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+EPISODES = 8  # played at once: the evaluation's default --concurrency, and the server's batch
+TURNS = 4
+MAX_TOKENS = 64
+MAX_BODY_CHARS = 1500
+
+
+def scripted_tool_results(db: EmailDB, question) -> list[str]:
+    """What the environment answers after turns 1..TURNS-1: a search on the question's longer words, the
+    gold email, then a search on the first of them alone."""
+    inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=MAX_BODY_CHARS,
+                  default_max_results=5)
+    words = [w.strip("?,.'\"").lower() for w in question.question.split() if len(w.strip("?,.'\"")) > 4][:3]
+    return [call_tool(inbox, "search_inbox", {"keywords": words[:2]}).content,
+            call_tool(inbox, "read_email", {"message_id": question.message_ids[0]}).content,
+            call_tool(inbox, "search_inbox", {"keywords": words[:1]}).content][:TURNS - 1]
+
+
+async def episode(client: openai.AsyncOpenAI, name: str, question, tool_results: list[str]
+                  ) -> tuple[list[list[int]], int]:
+    """(generated token ids per turn, prompt tokens over all turns)."""
+    system = SYSTEM_PROMPT.format(inbox=question.inbox_address, today=question.query_date, max_turns=TURNS)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question.question}]
+    generated, prompt_tokens = [], 0
+    for turn in range(TURNS):
+        response = await client.chat.completions.create(
+            model=name, messages=messages, tools=TOOLS, temperature=0, max_tokens=MAX_TOKENS, logprobs=True)
+        choice = response.choices[0]
+        generated.append([int(t.token.split(":")[1]) for t in choice.logprobs.content])
+        prompt_tokens += response.usage.prompt_tokens
+        messages.append(assistant_message(choice))
+        if turn < len(tool_results):
+            messages.append({"role": "tool", "tool_call_id": "call_0", "content": tool_results[turn]})
+    return generated, prompt_tokens
+
+
+@contextlib.contextmanager
+def concatenating_kv_cache():
+    """The engine before its growing cache: every decode step torch.cat's each layer's whole KV cache."""
+    def dynamic_cache(keys, values, width, rows):
+        def stack(parts):
+            return torch.cat([torch.nn.functional.pad(p, (0, 0, width - p.shape[2], 0)) for p in parts])
+        return DynamicCache([(stack(k), stack(v)) for k, v in zip(keys, values)])
+
+    original, engine._cache = engine._cache, dynamic_cache
+    try:
+        yield
+    finally:
+        engine._cache = original
+
+
+# (name, context manager that switches the lever off or on); the first is the reference for agreement.
+CONFIGURATIONS = [
+    ("engine, KV cache grown by torch.cat (before)", concatenating_kv_cache),
+    ("engine (all levers on)", contextlib.nullcontext),
+]
+
+
+async def run(configuration, checkpoint: str | None, questions, scripts) -> dict:
+    _, lever = configuration
+    with lever():
+        async with serve_checkpoint("smollm2", checkpoint, "bench", max_batch_size=EPISODES) as base_url:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
+            await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2)  # warm-up
+            started = time.monotonic()
+            episodes = await asyncio.gather(*(episode(client, "bench", q, s) for q, s in zip(questions, scripts)))
+            seconds = time.monotonic() - started
+    tokens = [turn for generated, _ in episodes for turn in generated]
+    return {"seconds": seconds, "tokens": tokens, "generated": sum(map(len, tokens)),
+            "prompt_tokens": sum(p for _, p in episodes)}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--db", default="data/demo.db", help="a demo database (build-db --demo)")
+    parser.add_argument("--checkpoint", help="a LoRA checkpoint directory to serve (default: the base model)")
+    parser.add_argument("--rounds", type=int, default=1, help="repeat all configurations, interleaved")
+    args = parser.parse_args()
+
+    db = EmailDB(args.db)
+    questions = select_questions(db, "test", seed=0, limit=EPISODES)
+    scripts = [scripted_tool_results(db, q) for q in questions]
+    print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}")
+    print(f"{EPISODES} episodes at once, {TURNS} turns each, greedy, max_tokens {MAX_TOKENS}, "
+          f"model: {args.checkpoint or 'base SmolLM2-135M'}")
+    reference = None
+    for round_ in range(args.rounds):
+        for configuration in CONFIGURATIONS:
+            result = await run(configuration, args.checkpoint, questions, scripts)
+            reference = reference or result["tokens"]
+            same = sum(a == b for a, b in zip(result["tokens"], reference))
+            print(f"[round {round_ + 1}] {configuration[0]}: {result['seconds']:6.1f}s, "
+                  f"{result['seconds'] / EPISODES:5.2f} s/episode, {result['generated'] / result['seconds']:5.1f} "
+                  f"generated tokens/s ({result['generated']} tokens; {result['prompt_tokens']} prompt tokens "
+                  f"over {len(result['tokens'])} requests); greedy agreement {same}/{len(reference)} requests, "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
