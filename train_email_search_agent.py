@@ -213,7 +213,8 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
 
     greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
     trajs = await art.gather_trajectories((rollout(greedy, q, db, rollout_config) for q in questions),
-                                          pbar_desc="validate", max_exceptions=len(questions))
+                                          pbar_desc="validate", max_exceptions=len(questions),
+                                          max_metrics=4)  # ART's default shows every metric: ~20, a wrapped line
     trajs = [t for t in trajs if isinstance(t, art.Trajectory)]
     calls = sum(t.metrics["tool_calls"] for t in trajs)
     extra = {"valid_tool_call_rate": sum(t.metrics["valid_tool_calls"] for t in trajs) / calls if calls else 0.0}
@@ -240,23 +241,34 @@ async def delete_checkpoints(model, backend, latest: int) -> None:
 
 
 async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_config) -> None:
-    """Supervised fine-tuning on successful trajectories (ART's train_sft; one checkpoint per epoch)."""
+    """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch.
+
+    Resumable: the step the warm start began at is saved in the run state before the first epoch, so after an
+    interruption (even kill -9) the epochs already checkpointed are skipped, not re-run on top of themselves.
+    """
     import art
 
     from email_agent.sft import sft_source
 
+    state = model.read_state() or {}
+    if "sft_start_step" not in state:
+        state = model.merge_state({"sft_start_step": await model.get_step()})
+    done = await model.get_step() - state["sft_start_step"]  # epochs already checkpointed
     trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config)
     if cfg.sft_limit:
         trajectories = trajectories[:cfg.sft_limit]
     if not trajectories:
         raise DataError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
-    print(f"warm start: {len(trajectories)} successful trajectories from {cfg.sft_from}", file=sys.stderr)
-    for epoch in range(cfg.sft_epochs):
+    abstentions = sum(1 for t in trajectories if t.metrics.get("returned_i_dont_know"))
+    print(f"warm start: {len(trajectories)} trajectories from {cfg.sft_from} ({abstentions} end in \"I don't know\")"
+          + (f"; resuming after epoch {done}" if done else ""), file=sys.stderr)
+    for epoch in range(done, cfg.sft_epochs):
         started = time.perf_counter()
         await model.train_sft(trajectories, art.types.TrainSFTConfig(learning_rate=cfg.sft_learning_rate,
                                                                       batch_size=cfg.sft_batch_size))
-        print(f"sft  {await model.get_step():>4}  epoch {epoch + 1}/{cfg.sft_epochs}  {time.perf_counter() - started:.0f}s",
-              flush=True)
+        step = await model.get_step()
+        await model.log(metrics={"sft_epoch": epoch + 1}, split="train", step=step)  # marks the step in the curve
+        print(f"sft  {step:>4}  epoch {epoch + 1}/{cfg.sft_epochs}  {time.perf_counter() - started:.0f}s", flush=True)
 
 
 def print_row(step, groups, result, seconds) -> None:
