@@ -18,7 +18,7 @@ $(VENV)/.installed: requirements.txt requirements-model.txt
 demo: setup
 	$(PY) train_email_search_agent.py build-db --demo
 	$(PY) train_email_search_agent.py train --demo
-	$(PY) test_email_search_agent.py --demo --model base --model demo --limit 20 --output eval/demo \
+	$(PY) test_email_search_agent.py --demo --model base --model demo --limit 50 --output eval/demo \
 		--max-turns 4 --max-tokens 64 --max-body-chars 600 --search-results 3
 
 test: setup

@@ -292,3 +292,14 @@ def test_kill_9_during_warm_start_epoch_2_resumes_at_epoch_2(demo_db_path, tmp_p
     assert "resuming after epoch 1" in again.stderr
     assert re.findall(r"^sft\s+(\d+)\s+epoch (\d)/2", again.stdout, re.M) == [("2", "2")]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000", "0001", "0002"]
+
+
+def test_make_demo_evaluates_50_questions_with_the_presets_episode_shape():
+    """`make demo` evaluates the trained agent as it was trained (same turns, tokens, bodies, results)."""
+    makefile = (ROOT / "Makefile").read_text()
+    line = next(line for line in makefile.replace("\\\n", " ").splitlines() if "test_email_search_agent.py" in line
+                and "--demo" in line)
+    flags = dict(re.findall(r"--([a-z-]+) (\S+)", line))
+    assert int(flags["limit"]) >= 50
+    for key in ("max_turns", "max_tokens", "max_body_chars", "search_results"):
+        assert int(flags[key.replace("_", "-")]) == cli.DEMO_PRESET[key], key
