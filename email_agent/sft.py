@@ -133,9 +133,9 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ro
     trajs = [await rollout(policy, q, db, config) for q in questions]
     solved = [t for t in trajs if successful(t)]
     abstentions = [t for t in trajs if abstained(t)]
-    wanted = round(abstain_share / (1 - abstain_share) * len(solved)) if abstain_share < 1 else len(questions)
+    wanted = round(abstain_share / (1 - abstain_share) * len(solved))  # abstentions / (solved + abstentions) = share
     solved_ids = {t.metadata["question_id"] for t in solved}
-    for q in reversed(questions):  # replay from the end: a `--sft-limit` prefix mostly keeps other questions
+    for q in questions:  # only solvable questions are replayed: their gold email is known to be findable otherwise
         if len(abstentions) >= wanted:
             break
         replay = withheld(q, db) if q.id in solved_ids else None
