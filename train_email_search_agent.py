@@ -215,10 +215,12 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
     from email_agent.rollout import rollout
 
     greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
-    trajs = await art.gather_trajectories((rollout(greedy, q, db, rollout_config) for q in questions),
-                                          pbar_desc="validate", max_exceptions=len(questions),
-                                          max_metrics=4)  # ART's default shows every metric: ~20, a wrapped line
-    trajs = [t for t in trajs if isinstance(t, art.Trajectory)]
+    # One-episode groups because only gather_trajectory_groups takes max_metrics: gather_trajectories' bar
+    # shows every metric (~20), a line that wraps and floods the terminal at each refresh.
+    groups = await art.gather_trajectory_groups((art.TrajectoryGroup([rollout(greedy, q, db, rollout_config)])
+                                                 for q in questions),
+                                                pbar_desc="validate", max_exceptions=len(questions), max_metrics=4)
+    trajs = [t for g in groups for t in g.trajectories]
     calls = sum(t.metrics["tool_calls"] for t in trajs)
     extra = {"valid_tool_call_rate": sum(t.metrics["valid_tool_calls"] for t in trajs) / calls if calls else 0.0}
     await model.log(trajs, split="val", metrics=extra, step=step)

@@ -153,7 +153,7 @@ class RecordingBackend:
         self.closed = True
 
 
-def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch):
+def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capfd):
     from email_agent import questions
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:6]
@@ -187,6 +187,10 @@ def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch):
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/gpu/history.jsonl").read_text().splitlines()]
     assert [row["step"] for row in history if "train/loss" in row] == [1, 2]
     assert any(row.get("val/answer_correct") == 1.0 for row in history)
+    # The validation bar, like the training bar, shows a few running metrics, not the whole rubric.
+    bars = [seg for seg in re.split(r"[\r\n]", capfd.readouterr().err) if seg.startswith(("validate", "step "))]
+    assert any(seg.startswith("validate") and "reward=" in seg for seg in bars)
+    assert all(seg.count("=") <= 4 for seg in bars), max(bars, key=lambda seg: seg.count("="))
 
 
 def test_backend_selection_errors(monkeypatch):
