@@ -182,7 +182,7 @@ async def main() -> None:
               + f"{tokens / seconds:7.1f} tokens/s ({seconds:.1f}s)")
     print(f"    overhead: train / equal-work loop = {train_rate / equal_rate:.2f} (target >= 0.7)")
     print(f"    speed-up: train / plain transformers loop = {train_rate / plain_rate:.2f}")
-    print(f"\n(b) server, 64 tokens per request (ignore_eos), short chat prompt")
+    print("\n(b) server, 64 tokens per request (ignore_eos), short chat prompt")
     print(f"    concurrency 1: {single:6.1f} tokens/s")
     print(f"    concurrency 8: {batched:6.1f} tokens/s")
     print(f"    ratio 8/1: {batched / single:.2f} (target >= 3)")

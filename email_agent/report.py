@@ -21,6 +21,8 @@ from pathlib import Path
 from .rewards import valid_tool_call_rate
 
 VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "val/hallucinated", "val/num_turns"]
+# The learning curve: the training reward (the rollouts GRPO learned from) beside the greedy validation metrics.
+CURVE_METRICS = ["train/reward", *VAL_METRICS]
 TOOL_RESULT_LIMIT = 2000
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
 _SECRET_RES = [re.compile(r"sk-[A-Za-z0-9_-]{8,}"), re.compile(r"Bearer \S+")]
@@ -247,11 +249,35 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line(header), "|" + "---|" * len(header)] + [line(r) for r in rows]
 
 
+def warm_start_steps(rows: list[dict]) -> set[int]:
+    """Steps produced by the supervised warm start: marked `train/sft_epoch` by the trainer, or (older runs)
+    a training row without a reward (ART's train_sft logs a loss; GRPO steps always log train/reward)."""
+    steps = set()
+    for r in rows:
+        if not _is_number(r.get("step")):
+            continue
+        train_keys = [k for k in r if k.startswith("train/")]
+        if "train/sft_epoch" in r or (train_keys and "train/reward" not in r):
+            steps.add(int(r["step"]))
+    return steps
+
+
+def _curve_by_step(rows: list[dict]) -> dict[int, dict]:
+    """One row per step: ART logs a step's training metrics and its validation in separate lines."""
+    merged: dict[int, dict] = {}
+    for r in rows:
+        if _is_number(r.get("step")):
+            merged.setdefault(int(r["step"]), {}).update({m: r[m] for m in CURVE_METRICS if _is_number(r.get(m))})
+    return merged
+
+
 def _history_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    metrics = [m for m in VAL_METRICS if any(m in r for r in rows)]
-    body = [[str(r.get("step", "")), *(_num(r.get(m), "{:.4g}") if _is_number(r.get(m)) else DASH for m in metrics)]
-            for r in rows if any(m in r for m in metrics)]
-    return ["step", *metrics], body
+    by_step, warm = _curve_by_step(rows), warm_start_steps(rows)
+    metrics = [m for m in CURVE_METRICS if any(m in v for v in by_step.values())]
+    body = [[str(step), "warm start" if step in warm else "GRPO" if "train/reward" in values else "",
+             *(_num(values.get(m), "{:.4g}") for m in metrics)]
+            for step, values in sorted(by_step.items()) if values or step in warm]
+    return ["step", "phase", *metrics], body
 
 
 def _when_what(records: list[dict], summary: dict) -> str:
@@ -267,7 +293,9 @@ def _markdown(title, records, summary, histories) -> str:
     if summary.get("pairs"):
         lines += ["", "## Paired comparison", ""] + _md_table(*_pair_rows(summary)) + ["", PAIR_NOTE]
     if histories:
-        lines += ["", "## Learning curve"]
+        lines += ["", "## Learning curve", "", "Per step: the GRPO rollouts' mean reward (train/reward, sampled) "
+                  "and greedy validation on held-out train questions (val/*); phase \"warm start\" marks the "
+                  "supervised steps before RL."]
         for label, rows in histories.items():
             lines += ["", f"### {_scrub(label)}", ""] + _md_table(*_history_table(rows))
     return "\n".join(lines) + "\n"
@@ -307,12 +335,16 @@ def _bar_chart(title: str, bars: list[tuple[str, float | None]], fmt, vmax: floa
     return "".join(out) + "</svg>"
 
 
-def _line_chart(metric: str, series: list[tuple[str, list[tuple[float, float]]]]) -> str:
+def _line_chart(metric: str, series: list[tuple[str, list[tuple[float, float]]]],
+                shade: tuple[float, float] | None = None) -> str:
+    """One metric of several runs against the step; `shade` greys a span of steps (the warm start)."""
     pts = [p for _, s in series for p in s]
     if not pts:
         return ""
     W, H, L, R, T, B = 520, 240, 56, 16, 30, 30
     x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    if shade:
+        x0, x1 = min(x0, shade[0]), max(x1, shade[1])
     y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
     x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
 
@@ -328,6 +360,11 @@ def _line_chart(metric: str, series: list[tuple[str, list[tuple[float, float]]]]
            f'<text x="{L - 4}" y="{T + 4}" text-anchor="end">{y1:.3g}</text>',
            f'<text x="{L - 4}" y="{H - B}" text-anchor="end">{y0:.3g}</text>',
            f'<text x="{L}" y="{H - 12}">{x0:g}</text><text x="{W - R}" y="{H - 12}" text-anchor="end">{x1:g}</text>']
+    if shade:
+        a, b = sx(shade[0]), sx(shade[1])
+        out.append(f'<rect class="warm" x="{a:.1f}" y="{T}" width="{max(b - a, 2):.1f}" height="{H - T - B}" '
+                   f'fill="#999" fill-opacity="0.15"><title>warm start (supervised), steps {shade[0]:g}-{shade[1]:g}'
+                   f'</title></rect><text x="{a + 3:.1f}" y="{T + 12}" fill="#666">warm start</text>')
     legend = []
     for i, (label, s) in enumerate(series):
         color = PALETTE[i % len(PALETTE)]
@@ -465,12 +502,17 @@ def _html(title, records, summary, histories) -> str:
                if summary.get("pairs") else []),
              "<h2>Charts</h2><div>", *charts, "</div>"]
     if histories:
-        parts.append('<h2 id="learning-curve">Learning curve</h2><div>')
-        for metric in VAL_METRICS:
+        parts.append('<h2 id="learning-curve">Learning curve</h2><p class="meta">train/reward: the GRPO rollouts '
+                     '(sampled); val/*: greedy episodes on held-out train questions. Grey: the supervised warm '
+                     'start (its steps have no train reward).</p><div>')
+        warm = sorted(set().union(*(warm_start_steps(rows) for rows in histories.values())))
+        # The warm start begins from the checkpoint before its first epoch (the untrained LoRA).
+        shade = (float(warm[0] - 1 if warm[0] > 0 else 0), float(warm[-1])) if warm else None
+        for metric in CURVE_METRICS:
             series = [(label, sorted((float(r["step"]), float(r[metric])) for r in rows
                                      if _is_number(r.get("step")) and _is_number(r.get(metric))))
                       for label, rows in histories.items()]
-            parts.append(_line_chart(metric, [s for s in series if s[1]]))
+            parts.append(_line_chart(metric, [s for s in series if s[1]], shade))
         parts.append("</div>")
     grouped: dict = {}
     for r in records:

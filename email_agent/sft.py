@@ -3,7 +3,10 @@
 A small model that never emits a valid tool call gives every rollout the same reward, so GRPO has no
 advantage to learn from. Supervised fine-tuning on good episodes first fixes that. Sources:
 
-  demo-expert   a scripted expert plays the demo inbox's train questions through the real rollout code
+  demo-expert   a scripted expert plays the demo inbox's train questions through the real rollout code:
+                its successful episodes, plus abstentions (episodes that end in "I don't know" because
+                the search really failed: the expert's own failures, and questions replayed the day
+                before their gold email was sent, so the inbox cannot hold the answer)
   <folder>      an evaluation folder from test_email_search_agent.py (e.g. a prompted o4-mini on the
                 train split): its judged-correct, correctly-cited episodes
 
@@ -12,8 +15,11 @@ Test-split questions are never used, whatever the source says.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import re
+from datetime import date, timedelta
 from pathlib import Path
 
 import art
@@ -46,17 +52,20 @@ class ExpertPolicy:
     It sees what a good agent sees (the question and the tool results) and knows the gold answer only to
     recognise the email that holds it and to phrase the final answer: search with the question's
     distinctive words (fewer if nothing matches), read results best-first, answer from the first email
-    that holds the answer, else say "I don't know".
+    that holds the answer, else say "I don't know" -- at the latest on its last turn, so an episode it
+    cannot solve ends in an abstention rather than running out of turns.
     """
 
     model = "demo-expert"
 
-    def __init__(self, questions: list[Question]):
+    def __init__(self, questions: list[Question], max_turns: int | None = None):
         self.answers = {q.question: q.answer for q in questions}
+        self.max_turns = max_turns
 
     async def complete(self, messages: list[dict]) -> ChatCompletion:
         question = next(m["content"] for m in messages if m["role"] == "user")
         answer = self.answers[question]
+        last_turn = self.max_turns is not None and sum(m["role"] == "assistant" for m in messages) >= self.max_turns - 1
         keywords = question_keywords(question)
         searches = [json.loads(c["function"]["arguments"]) for m in messages if m["role"] == "assistant"
                     for c in m.get("tool_calls") or [] if c["function"]["name"] == "search_inbox"]
@@ -66,6 +75,8 @@ class ExpertPolicy:
             email = json.loads(last)
             if answer in email["body"]:
                 return self._call("return_final_answer", {"answer": answer, "sources": [email["message_id"]]})
+        if last_turn:
+            return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
         results = next((json.loads(r) for r in reversed(tool_results) if r.startswith("[")), None)
         if results is None:
             if searches and len(searches[-1]["keywords"]) == 1:
@@ -94,12 +105,48 @@ def successful(traj: art.Trajectory) -> bool:
     return bool(m["answer_correct"] and m["sources_correct"] and not m["api_errors"])
 
 
-async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig) -> list[art.Trajectory]:
-    """The expert's successful episodes on `questions` (train split only)."""
+def abstained(traj: art.Trajectory) -> bool:
+    """Ended in "I don't know" without having seen the gold email: the search really failed."""
+    m = traj.metrics
+    return bool(m["returned_i_dont_know"] and not m["ever_found_right_email"] and not m["api_errors"]
+                and not (m["bad_tool_args"] or m["bad_tool_name"] or m["parse_errors"]))
+
+
+def withheld(question: Question, db: EmailDB) -> Question | None:
+    """The question asked the day before its (earliest) gold email was sent: the inbox cannot answer it."""
+    dates = [email.date[:10] for email in (db.read(m) for m in question.message_ids) if email is not None]
+    if not dates:
+        return None
+    return dataclasses.replace(question, query_date=str(date.fromisoformat(min(dates)) - timedelta(days=1)))
+
+
+async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,
+                              abstain_share: float = 0.2, seed: int = 0) -> list[art.Trajectory]:
+    """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
+
+    Successful episodes, plus abstentions making up about `abstain_share` of the result: the expert's own
+    "I don't know"s where its search failed, topped up with withheld-gold replays of other questions.
+    An agent that only ever saw answers learns to invent one when the search fails.
+    """
     questions = [q for q in questions if q.split != "test"]
-    policy = ExpertPolicy(questions)
+    policy = ExpertPolicy(questions, max_turns=config.max_turns)
     trajs = [await rollout(policy, q, db, config) for q in questions]
-    return [t for t in trajs if successful(t)]
+    solved = [t for t in trajs if successful(t)]
+    abstentions = [t for t in trajs if abstained(t)]
+    wanted = round(abstain_share / (1 - abstain_share) * len(solved))  # abstentions / (solved + abstentions) = share
+    solved_ids = {t.metadata["question_id"] for t in solved}
+    for q in questions:  # only solvable questions are replayed: their gold email is known to be findable otherwise
+        if len(abstentions) >= wanted:
+            break
+        replay = withheld(q, db) if q.id in solved_ids else None
+        if replay is not None:
+            traj = await rollout(policy, replay, db, config)
+            if abstained(traj):
+                traj.metadata["withheld_gold"] = True
+                abstentions.append(traj)
+    mixed = solved + abstentions[:wanted]
+    random.Random(seed).shuffle(mixed)
+    return mixed
 
 
 def teacher_trajectories(folder: str | Path, db: EmailDB) -> list[art.Trajectory]:

@@ -181,10 +181,35 @@ def test_learning_curve_section_with_histories(tmp_path, records):
     paths = write_report(tmp_path, records, summarize(records), histories=hist)
     md, page = paths["markdown"].read_text(), paths["html"].read_text()
     assert "## Learning curve" in md and "### run-a" in md
-    assert "| step | val/reward | val/answer_correct |" in md
-    assert "| 10 | 0.4 | 0.6 |" in md
-    assert "| 5 |" not in md  # train-only rows are not val points
-    assert "Learning curve" in page and page.count("<polyline") == 3  # reward: a+b, answer_correct: a
+    assert "| step | phase | train/reward | val/reward | val/answer_correct |" in md
+    assert "| 10 |  | — | 0.4 | 0.6 |" in md
+    assert "| 5 | GRPO | 0.5 | — | — |" in md
+    # train/reward: a; val/reward: a+b; answer_correct: a. No warm start in these runs: nothing greyed.
+    assert "Learning curve" in page and page.count("<polyline") == 4 and 'class="warm"' not in page
+
+
+def test_learning_curve_marks_the_warm_start_and_merges_a_steps_rows(tmp_path, records):
+    """As ART writes history.jsonl for warm start + GRPO: the untrained step 0 validated, two SFT epochs (ART's
+    train_sft row with a loss, the trainer's sft_epoch marker), validation after them, then GRPO steps whose
+    training and validation rows are separate lines."""
+    rows = [{"step": 0, "val/reward": -0.5, "val/answer_correct": 0.0},
+            {"step": 1, "train/loss": 1.2}, {"step": 1, "train/sft_epoch": 1},
+            {"step": 2, "train/loss": 0.8}, {"step": 2, "train/sft_epoch": 2},
+            {"step": 2, "val/reward": 0.1, "val/answer_correct": 0.4},
+            {"step": 3, "train/reward": 0.2, "train/loss": 0.01},
+            {"step": 4, "train/reward": 0.3, "train/loss": 0.02}, {"step": 4, "val/reward": 0.3, "val/answer_correct": 0.5},
+            {"step": 5, "train/loss": 0.9}]  # an older run's SFT row (no marker) still counts as warm start
+    from email_agent.report import warm_start_steps
+
+    assert warm_start_steps(rows) == {1, 2, 5}
+    paths = write_report(tmp_path, records, summarize(records), histories={"learn": rows[:-1]})
+    md, page = paths["markdown"].read_text(), paths["html"].read_text()
+    assert "| 1 | warm start | — | — | — |" in md
+    assert "| 2 | warm start | — | 0.1 | 0.4 |" in md
+    assert "| 4 | GRPO | 0.3 | 0.3 | 0.5 |" in md
+    assert page.count('class="warm"') == 3  # one grey span per chart: train/reward, val/reward, val/answer_correct
+    assert "warm start (supervised), steps 0-2" in page
+    assert page.count("<polyline") == 3
 
 
 def test_mcnemar_exact_matches_the_binomial():

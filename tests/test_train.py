@@ -164,7 +164,7 @@ class RecordingBackend:
         self.closed = True
 
 
-def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch):
+def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capfd):
     from email_agent import questions
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:6]
@@ -198,6 +198,10 @@ def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch):
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/gpu/history.jsonl").read_text().splitlines()]
     assert [row["step"] for row in history if "train/loss" in row] == [1, 2]
     assert any(row.get("val/answer_correct") == 1.0 for row in history)
+    # The validation bar, like the training bar, shows a few running metrics, not the whole rubric.
+    bars = [seg for seg in re.split(r"[\r\n]", capfd.readouterr().err) if seg.startswith(("validate", "step "))]
+    assert any(seg.startswith("validate") and "reward=" in seg for seg in bars)
+    assert all(seg.count("=") <= 4 for seg in bars), max(bars, key=lambda seg: seg.count("="))
 
 
 def test_backend_selection_errors(monkeypatch):
@@ -279,3 +283,90 @@ def test_wandb_without_the_package_is_a_clear_error(demo_db_path, tmp_path, monk
                      "--backend", "cpu"])
     assert code == 1 and "pip install wandb==0.25.0" in capsys.readouterr().err
     assert not (tmp_path / "email-agent").exists()  # refused before the run was created
+
+
+# ---- warm start: resume after a hard kill -------------------------------------------------------------------
+
+class SFTRecorder:
+    """The parts of an art.TrainableModel the warm start uses; the run (checkpoint step, state, log) is
+    `run`, shared between "processes". `die_in_epoch` makes train_sft die like kill -9: no checkpoint."""
+
+    def __init__(self, run, die_in_epoch=None):
+        self.run, self.die_in_epoch = run, die_in_epoch
+
+    def read_state(self):
+        return dict(self.run["state"])
+
+    def merge_state(self, update):
+        self.run["state"].update(update)
+        return dict(self.run["state"])
+
+    async def get_step(self):
+        return self.run["step"]
+
+    async def train_sft(self, trajectories, config):
+        epoch = len(self.run["trained"]) + 1
+        if epoch == self.die_in_epoch:
+            raise SystemExit("killed")
+        self.run["trained"].append((self.run["step"], len(trajectories), config.learning_rate))
+        self.run["step"] += 1  # ART checkpoints once per train_sft call
+
+    async def log(self, trajectories=None, split="val", *, metrics=None, step=None):
+        self.run["log"].append((step, metrics))
+
+
+def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, capsys):
+    from email_agent import questions
+    from email_agent.rollout import RolloutConfig
+
+    cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=6, sft_epochs=3, sft_learning_rate=1e-3)
+    train = questions.select_questions(demo_db, "train", seed=0)[:20]
+    rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    run = {"step": 0, "state": {}, "trained": [], "log": []}
+    with pytest.raises(SystemExit):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
+        asyncio.run(cli.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), demo_db, train, rollout_config))
+    assert run["step"] == 1 and len(run["trained"]) == 1
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))
+    # Epochs 2 and 3 ran once each, on top of epoch 1's checkpoint: no epoch repeated, none skipped.
+    assert run["trained"] == [(0, 6, 1e-3), (1, 6, 1e-3), (2, 6, 1e-3)] and run["step"] == 3
+    assert "resuming after epoch 1" in capsys.readouterr().err
+    assert [m for _, m in run["log"]] == [{"sft_epoch": 1}, {"sft_epoch": 2}, {"sft_epoch": 3}]  # curve markers
+    assert [s for s, _ in run["log"]] == [1, 2, 3]
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))  # all done: nothing re-runs
+    assert len(run["trained"]) == 3
+
+
+@pytest.mark.slow
+def test_kill_9_during_warm_start_epoch_2_resumes_at_epoch_2(demo_db_path, tmp_path):
+    """The real command: SIGKILL (no cleanup at all) while epoch 2 trains, then the same command again."""
+    art_dir = tmp_path / "art"
+    cmd = train_cmd(demo_db_path, art_dir, "--sft-only", "--sft-epochs", "2")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        line = ""
+        while time.time() < deadline and not re.match(r"sft\s+1\s+epoch 1/2", line):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the warm start ended before epoch 1 was reported"
+        time.sleep(1)  # inside epoch 2
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    run = art_dir / "email-agent" / "models" / "t"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000", "0001"]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming after epoch 1" in again.stderr
+    assert re.findall(r"^sft\s+(\d+)\s+epoch (\d)/2", again.stdout, re.M) == [("2", "2")]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000", "0001", "0002"]
+
+
+def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape():
+    """`make demo` evaluates the trained agent as it was trained: no shape flag overrides the run's own shape
+    (test_the_run_saves_its_episode_shape_for_evaluation checks that evaluation reads it)."""
+    makefile = (ROOT / "Makefile").read_text()
+    line = next(line for line in makefile.replace("\\\n", " ").splitlines() if "test_email_search_agent.py" in line
+                and "--demo" in line)
+    flags = dict(re.findall(r"--([a-z-]+)(?: (\S+))?", line))
+    assert int(flags["limit"]) >= 50
+    assert not {"max-turns", "max-tokens", "max-body-chars", "search-results"} & set(flags)
