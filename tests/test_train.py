@@ -287,6 +287,10 @@ def test_wandb_without_the_package_is_a_clear_error(demo_db_path, tmp_path, monk
 
 # ---- warm start: resume after a hard kill -------------------------------------------------------------------
 
+class Killed(Exception):
+    """Stands in for kill -9 (SystemExit would escape asyncio's task bookkeeping as a stray traceback)."""
+
+
 class SFTRecorder:
     """The parts of an art.TrainableModel the warm start uses; the run (checkpoint step, state, log) is
     `run`, shared between "processes". `die_in_epoch` makes train_sft die like kill -9: no checkpoint."""
@@ -307,7 +311,7 @@ class SFTRecorder:
     async def train_sft(self, trajectories, config):
         epoch = len(self.run["trained"]) + 1
         if epoch == self.die_in_epoch:
-            raise SystemExit("killed")
+            raise Killed("killed")
         self.run["trained"].append((self.run["step"], len(trajectories), config.learning_rate))
         self.run["step"] += 1  # ART checkpoints once per train_sft call
 
@@ -323,7 +327,7 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caps
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
     run = {"step": 0, "state": {}, "trained": [], "log": []}
-    with pytest.raises(SystemExit):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
+    with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
         asyncio.run(cli.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), demo_db, train, rollout_config))
     assert run["step"] == 1 and len(run["trained"]) == 1
     asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))
