@@ -155,73 +155,26 @@ def read(args) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def ask(args) -> None:
-    import contextlib
+    from email_agent import ask, evaluation
 
-    from email_agent import evaluation
-    from email_agent.rollout import RolloutConfig, rollout
-
-    spec = args.model or str(evaluation.latest_run(args.art_dir).path)
-    run = evaluation.find_run(spec.partition("@")[0], args.art_dir)
-    db = EmailDB(args.db or (run.config.get("db") if run else None) or DEFAULT_DB)  # a run's own inbox by default
-    question = evaluation.adhoc_question(db, args.question, args.inbox, args.as_of)
+    spec, db = ask.model_and_db(args.model, args.db, args.art_dir, DEFAULT_DB)
+    question = ask.adhoc_question(db, args.question, args.inbox, args.as_of)
     options = evaluation.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
                                  shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
-    calls = []
-
-    def on_call(name, arguments, outcome):
-        calls.append({"tool": name, "arguments": arguments, "error": outcome.content if outcome and outcome.error
-                      else None})
-        if not args.json:
-            print(describe_call(name, arguments, outcome), flush=True)
-
-    async def play():
-        async with contextlib.AsyncExitStack() as stack:
-            contestant = await evaluation.open_contestant(spec, options, stack)
-            await evaluation.probe(contestant)
-            if not args.json:
-                print(f"{contestant.label} ({contestant.shape.describe()}) asks {question.inbox_address}'s inbox "
-                      f"as of {question.query_date}:", file=sys.stderr)
-            return contestant, await rollout(contestant.policy, question, db, contestant.rollout_config(RolloutConfig()),
-                                              on_call=on_call)
-
-    contestant, traj = asyncio.run(play())
-    if traj.metadata.get("error"):
-        raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
-    answer, sources = traj.metadata.get("answer"), json.loads(traj.metadata["sources"])
-    visible = _visible_until(question.query_date)
-    cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]
+    live = {} if args.json else dict(
+        on_call=lambda *call: print(ask.describe_call(*call), flush=True),
+        on_start=lambda label, shape: print(f"{label} ({shape}) asks {question.inbox_address}'s inbox as of "
+                                            f"{question.query_date}:", file=sys.stderr))
+    result = asyncio.run(ask.ask(spec, question, db, options, **live))
     if args.json:
-        print(json.dumps({"model": contestant.label, "question": question.question, "inbox": question.inbox_address,
-                          "as_of": question.query_date, "answer": answer, "sources": sources,
-                          "cited": [{"message_id": mid, "date": e.date, "from": e.from_address, "subject": e.subject}
-                                    for mid, e in cited if e is not None],
-                          "turns": traj.metrics["num_turns"], "tool_calls": calls,
-                          "ran_out_of_turns": bool(traj.metrics["ran_out_of_turns"])}, indent=2, ensure_ascii=False))
-        return
-    if answer is None:
-        print(f"no answer after {traj.metrics['num_turns']} turns (raise --max-turns, or try another model)")
-        return
-    print(f"\nanswer: {answer}")
-    for mid, email in cited:
-        print(f"  {email.date}  {email.from_address}  {email.subject}  {mid}" if email else
-              f"  {mid}  (not an email in this inbox: the model made it up)")
-
-
-def describe_call(name, arguments, outcome) -> str:
-    """One line per action of the agent, as `ask` shows it live."""
-    if name is None:
-        return f"  (no tool call) {' '.join(str(arguments or '').split())[:100]}"
-    shown = f"> {name} {' '.join(str(arguments).split())[:120]}"
-    if outcome.error:
-        return f"{shown}\n    {outcome.content[:160]}"
-    if name == "search_inbox":
-        hits = "; ".join(f"{r['date'][:10]} {r['subject'][:40]}" for r in outcome.result[:3])
-        return f"{shown}\n    {len(outcome.result)} result(s){': ' + hits if hits else ''}"
-    if name == "read_email":
-        email = outcome.result
-        return f"{shown}\n    " + (f"{email['date'][:16]}  {email['from_address']}  {email['subject'][:60]}"
-                                    if email else "not found in this inbox")
-    return shown
+        print(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
+    elif result.answer is None:
+        print(f"no answer after {result.turns} turns (raise --max-turns, or try another model)")
+    else:
+        print(f"\nanswer: {result.answer}")
+        for mid, email in result.cited:
+            print(f"  {email.date}  {email.from_address}  {email.subject}  {mid}" if email else
+                  f"  {mid}  (not an email in this inbox: the model made it up)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -417,26 +417,3 @@ def shared_run_shape(specs: list[str], art_dir: str) -> EpisodeShape | None:
     then play that shape too, so a comparison with a trained run is like for like."""
     shapes = {run.shape for spec in specs if (run := find_run(spec.partition("@")[0], art_dir)) is not None}
     return shapes.pop() if len(shapes) == 1 else None
-
-
-# ----------------------------------------------------------------------------------------------
-# ask: one question of the user's own, no gold answer
-# ----------------------------------------------------------------------------------------------
-
-def adhoc_question(db, text: str, inbox: str, as_of: str | None) -> Question:
-    """A question asked with `ask`: no gold answer or emails, so the rollout grades nothing."""
-    from datetime import date
-
-    from .data import day_after
-
-    if not text.strip():
-        raise DataError("the question is empty.")
-    if db.inbox_size(inbox) == 0:
-        known = ", ".join(f"{address} ({count})" for address, count in db.largest_inboxes(5))
-        raise DataError(f"{db.path} has no mail sent or received by {inbox!r}; its largest inboxes: {known}.")
-    as_of = as_of or date.today().isoformat()
-    try:
-        day_after(as_of)
-    except ValueError:
-        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
-    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")

@@ -1,0 +1,109 @@
+"""`ask`: one question of the user's own to an agent, about one inbox, outside any question set.
+
+Owns: the ad-hoc question (whose inbox, and which day is "today"), the model to ask (the most recent run by
+default) and its database, one rollout through the same `rollout` that training and evaluation play, the
+one-line description of each tool call that the CLI shows as it happens, and the answer with its cited
+emails. There is no gold answer, so nothing is graded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from datetime import date
+from typing import Callable
+
+from . import evaluation
+from .data import DataError, Email, EmailDB, day_after
+from .questions import Question
+
+
+def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Question:
+    """A question asked with `ask`: no gold answer or emails, so the rollout grades nothing."""
+    if not text.strip():
+        raise DataError("the question is empty.")
+    if db.inbox_size(inbox) == 0:
+        known = ", ".join(f"{address} ({count})" for address, count in db.largest_inboxes(5))
+        raise DataError(f"{db.path} has no mail sent or received by {inbox!r}; its largest inboxes: {known}.")
+    as_of = as_of or date.today().isoformat()
+    try:
+        day_after(as_of)
+    except ValueError:
+        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
+    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")
+
+
+def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db: str) -> tuple[str, EmailDB]:
+    """The --model to ask (the most recent run when none is given) and the database: --db, else the one the
+    run was trained on, else the default."""
+    spec = spec or str(evaluation.latest_run(art_dir).path)
+    run = evaluation.find_run(spec.partition("@")[0], art_dir)
+    return spec, EmailDB(db_path or (run.config.get("db") if run else None) or default_db)
+
+
+@dataclass
+class Answer:
+    model: str  # the contestant's label, e.g. demo@5
+    shape: str  # the episode shape it played, described
+    question: Question
+    answer: str | None  # None: no final answer within the turns
+    sources: list[str]
+    cited: list[tuple[str, Email | None]]  # None where the cited id is not an email of this inbox
+    turns: int
+    ran_out_of_turns: bool
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "question": self.question.question, "inbox": self.question.inbox_address,
+                "as_of": self.question.query_date, "answer": self.answer, "sources": self.sources,
+                "cited": [{"message_id": mid, "date": e.date, "from": e.from_address, "subject": e.subject}
+                          for mid, e in self.cited if e is not None],
+                "turns": self.turns, "tool_calls": self.tool_calls, "ran_out_of_turns": self.ran_out_of_turns}
+
+
+async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Options,
+              on_call: Callable | None = None, on_start: Callable | None = None) -> Answer:
+    """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
+    it happens and `on_start(label, shape)` is called once the model answers the probe."""
+    from .rollout import RolloutConfig, rollout
+
+    calls: list[dict] = []
+
+    def record(name, arguments, outcome):
+        calls.append({"tool": name, "arguments": arguments,
+                      "error": outcome.content if outcome and outcome.error else None})
+        if on_call:
+            on_call(name, arguments, outcome)
+
+    async with contextlib.AsyncExitStack() as stack:
+        contestant = await evaluation.open_contestant(spec, options, stack)
+        await evaluation.probe(contestant)
+        if on_start:
+            on_start(contestant.label, contestant.shape.describe())
+        traj = await rollout(contestant.policy, question, db, contestant.rollout_config(RolloutConfig()),
+                             on_call=record)
+    if traj.metadata.get("error"):
+        raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
+    sources = json.loads(traj.metadata["sources"])
+    visible = day_after(question.query_date)
+    cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]
+    return Answer(contestant.label, contestant.shape.describe(), question, traj.metadata.get("answer"), sources,
+                  cited, traj.metrics["num_turns"], bool(traj.metrics["ran_out_of_turns"]), calls)
+
+
+def describe_call(name, arguments, outcome) -> str:
+    """One line per action of the agent (two with its result), as `ask` shows it live."""
+    if name is None:
+        return f"  (no tool call) {' '.join(str(arguments or '').split())[:100]}"
+    shown = f"> {name} {' '.join(str(arguments).split())[:120]}"
+    if outcome.error:
+        return f"{shown}\n    {outcome.content[:160]}"
+    if name == "search_inbox":
+        hits = "; ".join(f"{r['date'][:10]} {r['subject'][:40]}" for r in outcome.result[:3])
+        return f"{shown}\n    {len(outcome.result)} result(s){': ' + hits if hits else ''}"
+    if name == "read_email":
+        email = outcome.result
+        return f"{shown}\n    " + (f"{email['date'][:16]}  {email['from_address']}  {email['subject'][:60]}"
+                                    if email else "not found in this inbox")
+    return shown
