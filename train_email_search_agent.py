@@ -345,6 +345,17 @@ async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_confi
         print(f"sft  {step:>4}  epoch {epoch + 1}/{cfg.sft_epochs}  {time.perf_counter() - started:.0f}s", flush=True)
 
 
+def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_start_pending: bool):
+    """Print what a step's groups offer GRPO and the verdict; returns the verdict."""
+    from email_agent import preflight
+
+    verdict = preflight.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
+                                 warm_start_pending=warm_start_pending)
+    print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)),
+          flush=True)
+    return verdict
+
+
 def print_row(step, groups, result, seconds, health) -> None:
     trajs = [t for g in groups for t in g.trajectories]
     mean = lambda key: sum(t.metrics[key] for t in trajs) / max(len(trajs), 1)  # noqa: E731
@@ -408,48 +419,58 @@ async def train(cfg: TrainConfig) -> None:
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   max_concurrency=cfg.concurrency)
         state = model.read_state() or {}
-        warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
-        if warm_start_pending and not cfg.preflight:  # the preflight judges the policy as it is now
-            await warm_start(cfg, model, db, train_questions, rollout_config)
-            state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
-            policy.model = model.get_inference_name()
-            if val_questions:
-                step = await model.get_step()
-                print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
-        if cfg.sft_only and not cfg.preflight:
-            return
         after_each = None
         if reward_mode == "ruler":
             params = {"api_base": cfg.judge_base_url, "api_key": "none"} if cfg.judge_base_url else None
             after_each = lambda group: rewards.ruler_group(group, ruler_model, params)  # noqa: E731
-        # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data.
+
+        def gather(questions, step):
+            return art.gather_trajectory_groups(
+                (art.TrajectoryGroup(rollout(policy, q, db, rollout_config) for _ in range(cfg.rollouts_per_group))
+                 for q in questions),
+                pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4, after_each=after_each)
+
+        warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
+        # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
+        # (a warm start still to finish, even half done, comes before any RL step).
         sft_steps = state.get("sft_steps", 0)
-        rl_step = await model.get_step() - sft_steps
+        rl_step = 0 if warm_start_pending else await model.get_step() - sft_steps
+        batches = art.utils.iterate_dataset(train_questions, groups_per_step=cfg.groups_per_step,
+                                            num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False)
+        if cfg.preflight:  # the next step's groups from the policy as it is now: nothing trained, logged or saved
+            batch = next(iter(batches), None)
+            if batch is None:
+                raise DataError(f"--preflight: run {cfg.name!r} has no steps left to check (its epochs are done).")
+            started = time.perf_counter()
+            groups = await gather(batch.items, batch.step + sft_steps)
+            verdict = say_whether_it_can_learn(cfg, preflight.measure(groups, time.perf_counter() - started),
+                                               reward_mode, warm_start_pending)
+            if not verdict.ok:
+                raise DataError(verdict.headline)
+            print(f"preflight: {verdict.headline}")
+            return
+        if warm_start_pending:
+            await warm_start(cfg, model, db, train_questions, rollout_config)
+            state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
+            sft_steps = state["sft_steps"]
+            policy.model = model.get_inference_name()
+            if val_questions:
+                step = await model.get_step()
+                print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
+        if cfg.sft_only:
+            return
         idle_steps = 0  # steps in a row that trained on nothing
-        for batch in art.utils.iterate_dataset(train_questions, groups_per_step=cfg.groups_per_step,
-                                               num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False):
-            if cfg.max_steps and batch.step >= cfg.max_steps and not cfg.preflight:
+        for batch in batches:
+            if cfg.max_steps and batch.step >= cfg.max_steps:
                 break
             step = batch.step + sft_steps
-            if (batch.step % cfg.eval_every == 0 and val_questions and not (batch.step == 0 and sft_steps)
-                    and not cfg.preflight):
+            if batch.step % cfg.eval_every == 0 and val_questions and not (batch.step == 0 and sft_steps):
                 print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
             started = time.perf_counter()
-            groups = await art.gather_trajectory_groups(
-                (art.TrajectoryGroup(rollout(policy, q, db, rollout_config) for _ in range(cfg.rollouts_per_group))
-                 for q in batch.items),
-                pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4, after_each=after_each)
+            groups = await gather(batch.items, step)
             health = preflight.measure(groups, time.perf_counter() - started)
-            if cfg.preflight or batch.step == 0:  # a fresh run says at once whether it can learn
-                verdict = preflight.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
-                                             warm_start_pending=warm_start_pending and cfg.preflight)
-                print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group,
-                                                 cfg.concurrency)), flush=True)
-                if cfg.preflight:  # nothing trained, logged or checkpointed
-                    if not verdict.ok:
-                        raise DataError(verdict.headline)
-                    print(f"preflight: {verdict.headline}")
-                    return
+            if batch.step == 0:  # a fresh run says at once whether it can learn
+                verdict = say_whether_it_can_learn(cfg, health, reward_mode, False)
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
             result = await backend.train(model, groups, learning_rate=cfg.learning_rate)
             learned = preflight.step_metrics(health, groups, result.metrics)
@@ -460,8 +481,6 @@ async def train(cfg: TrainConfig) -> None:
             if idle_steps >= preflight.IDLE_STEPS_WARNING:
                 print(f"warning: {idle_steps} steps in a row trained on nothing: {preflight.idle_cause(health)}",
                       file=sys.stderr, flush=True)
-        if cfg.preflight:
-            raise DataError(f"--preflight: run {cfg.name!r} has no steps left to check (its epochs are done).")
         step = await model.get_step()
         if val_questions:
             print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
