@@ -30,7 +30,7 @@ from pathlib import Path
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
 from email_agent import cli
 from email_agent.backends import ART_DIR, PROJECT, run_path
-from email_agent.data import DataError, EmailDB
+from email_agent.data import DataError, EmailDB, visible_until
 from email_agent.episode import EpisodeShape
 
 DEFAULT_DB = "data/enron_emails.db"
@@ -42,34 +42,16 @@ DEMO_DB = "data/demo.db"
 # ----------------------------------------------------------------------------------------------
 
 def build_db(args) -> None:
-    from email_agent import build, data, questions
+    from email_agent import build
 
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
-    total = None
-    if args.demo:
-        from email_agent import demo
-
-        emails, question_rows = demo.generate(seed=0)
-        total, source = len(emails), "demo inbox (email_agent/demo.py, seed 0)"
-    else:
-        if args.emails:
-            emails, source = data.read_emails(args.emails), str(args.emails)
-        else:
-            emails, source = data.read_hub_emails(), "hf:corbt/enron-emails"
-        if args.questions:
-            question_rows = questions.read_questions(args.questions)
-        elif args.emails:
-            print(f"note: no --questions given; the database will hold emails only. Write questions for it with: "
-                  f"python train_email_search_agent.py generate-questions --db {args.db or DEFAULT_DB} --model MODEL",
-                  file=sys.stderr)
-            question_rows = []
-        else:
-            question_rows = questions.read_hub_questions()
-    if total is None and hasattr(emails, "__len__"):
-        total = len(emails)
+    emails, question_rows, source, total = build.open_sources(demo=args.demo, emails=args.emails,
+                                                              questions=args.questions)
+    if args.emails and not args.questions:
+        print(f"note: no --questions given; the database will hold emails only. Write questions for it with: "
+              f"python train_email_search_agent.py generate-questions --db {db_path} --model MODEL", file=sys.stderr)
     print(f"building {db_path} from {source}", file=sys.stderr)
-    summary = build.build_database(emails, question_rows, db_path, source=source, total=total,
-                                  progress=not args.quiet)
+    summary = build.build_database(emails, question_rows, db_path, source=source, total=total, progress=not args.quiet)
     print("\n".join(summary.lines()))
 
 
@@ -79,10 +61,6 @@ def build_db(args) -> None:
 
 def generate_questions(args) -> None:
     import os
-    import warnings
-
-    # litellm's response objects trip pydantic's serializer checks on every call: harmless, and not the user's problem.
-    warnings.filterwarnings("ignore", message="Pydantic serializer warnings", category=UserWarning)
 
     from email_agent.generate import GenerateConfig, cache_path, generate_questions
 
@@ -107,7 +85,7 @@ def search(args) -> None:
     try:
         results = db.search(args.inbox, args.keywords, from_address=args.from_address, to_address=args.to_address,
                             sent_after=args.after, sent_before=args.before,
-                            visible_until=_visible_until(args.as_of), max_results=args.max_results)
+                            visible_until=visible_until(args.as_of), max_results=args.max_results)
     except ValueError as exc:  # a malformed --after/--before
         raise DataError(f"{exc}; dates are YYYY-MM-DD") from None
     if args.json:
@@ -121,22 +99,11 @@ def search(args) -> None:
         print(textwrap.indent(textwrap.fill(" ".join(r.snippet.split()), 100), "    "))
 
 
-def _visible_until(as_of: str | None) -> str | None:
-    from email_agent.data import day_after
-
-    if as_of is None:
-        return None
-    try:
-        return day_after(as_of)
-    except ValueError:
-        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
-
-
 def read(args) -> None:
     from dataclasses import asdict
 
     db = EmailDB(args.db)
-    email = db.read(args.message_id, inbox=args.inbox, visible_until=_visible_until(args.as_of))
+    email = db.read(args.message_id, inbox=args.inbox, visible_until=visible_until(args.as_of))
     if email is None:
         where = f" in the inbox of {args.inbox}" if args.inbox else ""
         raise DataError(f"No email with message_id {args.message_id!r}{where}.")
@@ -297,23 +264,6 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
             "accuracy": sum(t.metrics["answer_correct"] for t in trajs) / max(len(trajs), 1), **extra}
 
 
-async def delete_checkpoints(model, backend, latest: int) -> None:
-    """Keep the latest checkpoint and the one with the best mean val/reward.
-
-    (ART 0.5.18's model.delete_checkpoints fails on the string `recorded_at` column of its own history.)
-    """
-    history = Path(model.base_path) / model.project / "models" / model.name / "history.jsonl"
-    rewards_by_step: dict[int, list[float]] = {}
-    for line in history.read_text().splitlines() if history.exists() else []:
-        row = json.loads(line)
-        if "val/reward" in row:
-            rewards_by_step.setdefault(row["step"], []).append(row["val/reward"])
-    keep = {latest}
-    if rewards_by_step:
-        keep.add(max(rewards_by_step, key=lambda s: (sum(rewards_by_step[s]) / len(rewards_by_step[s]), s)))
-    await backend._delete_checkpoint_files(model, sorted(keep))
-
-
 async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_config) -> None:
     """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch.
 
@@ -354,20 +304,6 @@ def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_st
     print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)),
           flush=True)
     return verdict
-
-
-def print_row(step, groups, result, seconds, health) -> None:
-    trajs = [t for g in groups for t in g.trajectories]
-    mean = lambda key: sum(t.metrics[key] for t in trajs) / max(len(trajs), 1)  # noqa: E731
-    learned = (f"trained on {health['trainable_group_share']:.0%} of groups, {health['trained_token_share']:.0%} of "
-               f"tokens" + ("" if health["trained_token_share"] > 0 else "  LEARNED NOTHING"))
-    errors = "".join(f"  {label} {health[key]:.0f}" for key, label in
-                     (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors")) if health[key])
-    print(f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
-          f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
-          f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
-          f"tokens {mean('completion_tokens'):.0f}  loss {result.metrics.get('loss', float('nan')):+.4f}  "
-          f"{learned}{errors}  {seconds:.0f}s", flush=True)
 
 
 async def train(cfg: TrainConfig) -> None:
@@ -476,7 +412,8 @@ async def train(cfg: TrainConfig) -> None:
             learned = preflight.step_metrics(health, groups, result.metrics)
             await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
-            print_row(result.step, groups, result, time.perf_counter() - started, learned)
+            print(preflight.step_line(result.step, groups, result.metrics, learned, time.perf_counter() - started),
+                  flush=True)
             idle_steps = 0 if learned["trained_token_share"] else idle_steps + 1
             if idle_steps >= preflight.IDLE_STEPS_WARNING:
                 print(f"warning: {idle_steps} steps in a row trained on nothing: {preflight.idle_cause(health)}",
@@ -485,7 +422,7 @@ async def train(cfg: TrainConfig) -> None:
         if val_questions:
             print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
         if cfg.keep_checkpoints == "best":
-            await delete_checkpoints(model, backend, step)
+            await backends.keep_latest_and_best(model, backend, step)
         print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
               f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
     finally:
@@ -518,8 +455,6 @@ def config_from_args(args) -> TrainConfig:
 
 
 def train_command(args) -> None:
-    from email_agent.backends import BackendError
-
     cfg = config_from_args(args)
     if cfg.keep_checkpoints not in ("best", "all"):
         raise DataError("--keep-checkpoints is best or all")
@@ -533,8 +468,6 @@ def train_command(args) -> None:
         loop.run_until_complete(task)
     except asyncio.CancelledError:
         raise KeyboardInterrupt from None
-    except BackendError as exc:
-        raise DataError(str(exc)) from None
     finally:
         loop.close()
 

@@ -18,8 +18,8 @@ from typing import Iterable
 
 from tqdm import tqdm
 
-from .data import INDEXES, SCHEMA, DataError, SkipRecord, member_token, normalize_email
-from .questions import normalize_question
+from .data import INDEXES, SCHEMA, DataError, SkipRecord, member_token, normalize_email, read_emails, read_hub_emails
+from .questions import normalize_question, read_hub_questions, read_questions
 
 SKIP_EXAMPLES = 3  # skipped records the summary shows with their reason (the rest are counted)
 
@@ -57,6 +57,24 @@ class BuildSummary:
             *(f"  skipped email     {example}" for example in self.skip_examples),
             *(f"  skipped question  {example}" for example in self.question_skip_examples),
         ]
+
+
+def open_sources(*, demo: bool = False, emails: str | None = None, questions: str | None = None
+                 ) -> tuple[Iterable[dict], Iterable[dict], str, int | None]:
+    """(emails, questions, source name, email count if known) for build-db's flags: the demo inbox; local
+    files; or the ART·E corpus and questions from Hugging Face. Local emails without --questions: none."""
+    if demo:
+        from . import demo as demo_inbox
+
+        email_rows, question_rows = demo_inbox.generate(seed=0)
+        return email_rows, question_rows, "demo inbox (email_agent/demo.py, seed 0)", len(email_rows)
+    email_rows = read_emails(emails) if emails else read_hub_emails()
+    if questions:
+        question_rows = read_questions(questions)
+    else:
+        question_rows = [] if emails else read_hub_questions()
+    total = len(email_rows) if hasattr(email_rows, "__len__") else None
+    return email_rows, question_rows, str(emails) if emails else "hf:corbt/enron-emails", total
 
 
 def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: str | os.PathLike, *,

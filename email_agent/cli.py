@@ -1,4 +1,4 @@
-"""What the two command-line scripts share: log lines on stderr and SIGTERM handled like Ctrl-C.
+"""What the two command-line scripts share: log lines on stderr (and no library warning noise), SIGTERM as Ctrl-C.
 
 Library modules only log (`logging.getLogger(__name__)`) and never touch signals; the scripts call these
 two functions first, so the library stays usable from a notebook or another program as it is.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import warnings
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -24,6 +25,8 @@ class _StderrHandler(logging.StreamHandler):
 
 def log_to_stderr(level: int = logging.INFO) -> None:
     """The package's log records as `[module] message` lines on stderr (idempotent)."""
+    # litellm's response objects trip pydantic's serializer checks on every call: harmless, not the user's problem.
+    warnings.filterwarnings("ignore", message="Pydantic serializer warnings", category=UserWarning)
     package = logging.getLogger("email_agent")
     package.setLevel(level)
     if not any(isinstance(h, _StderrHandler) for h in package.handlers):

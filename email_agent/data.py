@@ -360,6 +360,16 @@ def day_after(day: str) -> str:
     return (datetime.fromisoformat(str(day).strip()[:10]) + timedelta(days=1)).strftime("%Y-%m-%d 00:00:00")
 
 
+def visible_until(as_of: str | None) -> str | None:
+    """The bound that hides mail dated after `as_of` (a user's --as-of; None shows everything)."""
+    if as_of is None:
+        return None
+    try:
+        return day_after(as_of)
+    except ValueError:
+        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
+
+
 class EmailDB:
     """Read-only handle on a built database. Opened with mode=ro: nothing a caller sends can change it."""
 

@@ -223,3 +223,21 @@ def report(h: Health, verdict: Verdict, groups_per_step: int, rollouts_per_group
         f"of {groups_per_step} groups, plus the update",
     ]
     return lines + [f"  warning: {w}" for w in verdict.warnings]
+
+
+def step_line(step: int, groups: list[TrajectoryGroup], train_metrics: dict, learned: dict, seconds: float) -> str:
+    """The train command's line for one step: how the rollouts did, and what the update learned from."""
+    trajs = [t for g in groups for t in g.trajectories]
+
+    def mean(key: str) -> float:
+        return sum(t.metrics[key] for t in trajs) / max(len(trajs), 1)
+
+    what = (f"trained on {learned['trainable_group_share']:.0%} of groups, {learned['trained_token_share']:.0%} of "
+            f"tokens" + ("" if learned["trained_token_share"] > 0 else "  LEARNED NOTHING"))
+    errors = "".join(f"  {label} {learned[key]:.0f}" for key, label in
+                     (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors")) if learned[key])
+    return (f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
+            f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
+            f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
+            f"tokens {mean('completion_tokens'):.0f}  loss {train_metrics.get('loss', float('nan')):+.4f}  "
+            f"{what}{errors}  {seconds:.0f}s")

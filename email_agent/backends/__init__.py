@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..data import DataError
+
 BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GPU_BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -25,8 +27,8 @@ def run_path(art_dir: str, project: str, name: str) -> Path:
     return Path(art_dir) / project / "models" / name
 
 
-class BackendError(Exception):
-    """A backend that cannot start here, worded for the user."""
+class BackendError(DataError):
+    """A backend that cannot start here, worded for the user (one sentence, no traceback)."""
 
 
 def cuda_available() -> bool:
@@ -94,3 +96,22 @@ def make_backend(name: str, cfg):
         # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
         return TinkerBackend(path=cfg.art_dir)
     raise BackendError(f"unknown backend {name!r}")
+
+
+async def keep_latest_and_best(model, backend, latest: int) -> None:
+    """Delete every checkpoint but the latest and the one with the best mean val/reward.
+
+    (ART 0.5.18's model.delete_checkpoints fails on the string `recorded_at` column of its own history.)
+    """
+    import json
+
+    history = run_path(model.base_path, model.project, model.name) / "history.jsonl"
+    rewards_by_step: dict[int, list[float]] = {}
+    for line in history.read_text().splitlines() if history.exists() else []:
+        row = json.loads(line)
+        if "val/reward" in row:
+            rewards_by_step.setdefault(row["step"], []).append(row["val/reward"])
+    keep = {latest}
+    if rewards_by_step:
+        keep.add(max(rewards_by_step, key=lambda s: (sum(rewards_by_step[s]) / len(rewards_by_step[s]), s)))
+    await backend._delete_checkpoint_files(model, sorted(keep))
