@@ -39,7 +39,10 @@ async def evaluate(args) -> int:
     scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
     if args.rejudge:
-        stored = [json.loads(line) for line in (Path(args.rejudge) / "results.jsonl").read_text().splitlines() if line]
+        results = Path(args.rejudge) / "results.jsonl"
+        if not results.is_file():
+            raise DataError(f"--rejudge {args.rejudge}: no results.jsonl there (an output folder of this command).")
+        stored = [json.loads(line) for line in results.read_text().splitlines() if line]
         records = [await evaluation.rejudge_record(r, scoring) for r in tqdm(stored, desc="re-judging", unit=" answers")]
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

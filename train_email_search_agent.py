@@ -37,9 +37,7 @@ DEFAULT_DB = "data/enron_emails.db"
 DEMO_DB = "data/demo.db"
 
 
-# ----------------------------------------------------------------------------------------------
-# build-db
-# ----------------------------------------------------------------------------------------------
+# ---- build-db ------------------------------------------------------------------------------------
 
 def build_db(args) -> None:
     from email_agent import build
@@ -55,9 +53,7 @@ def build_db(args) -> None:
     print("\n".join(summary.lines()))
 
 
-# ----------------------------------------------------------------------------------------------
-# generate-questions: an LLM writes the question set for an inbox
-# ----------------------------------------------------------------------------------------------
+# ---- generate-questions: an LLM writes the question set for an inbox -----------------------------
 
 def generate_questions(args) -> None:
     import os
@@ -74,9 +70,7 @@ def generate_questions(args) -> None:
     print("\n".join(summary.lines()))
 
 
-# ----------------------------------------------------------------------------------------------
-# search / read: exactly what the agent's tools return
-# ----------------------------------------------------------------------------------------------
+# ---- search / read: exactly what the agent's tools return ----------------------------------------
 
 def search(args) -> None:
     from dataclasses import asdict
@@ -117,9 +111,7 @@ def read(args) -> None:
     print(f"Subject: {email.subject}\n\n{email.body}")
 
 
-# ----------------------------------------------------------------------------------------------
-# ask: one question to a trained agent, each tool call shown as it happens
-# ----------------------------------------------------------------------------------------------
+# ---- ask: one question to a trained agent, each tool call shown as it happens --------------------
 
 def ask(args) -> None:
     from email_agent import ask, evaluation
@@ -144,9 +136,7 @@ def ask(args) -> None:
                   f"  {mid}  (not an email in this inbox: the model made it up)")
 
 
-# ----------------------------------------------------------------------------------------------
-# train: the configuration, then the loop
-# ----------------------------------------------------------------------------------------------
+# ---- train: the configuration, then the loop -----------------------------------------------------
 
 @dataclass
 class TrainConfig:
@@ -217,16 +207,13 @@ def run_dir(cfg: TrainConfig) -> Path:
     return run_path(cfg.art_dir, cfg.project, cfg.name)
 
 
-def episode_shape(cfg: TrainConfig) -> EpisodeShape:
-    return EpisodeShape(cfg.max_turns, cfg.max_tokens, cfg.max_body_chars, cfg.search_results)
-
-
 def wandb_installed() -> bool:
     return importlib.util.find_spec("wandb") is not None  # ART 0.5.18's model.log imports it for W&B metrics
 
 
 def prepare_run(cfg: TrainConfig, backend: str) -> None:
-    """Resume a run of the same name, or start it; --fresh deletes it first. Saves the resolved config."""
+    """Resume a run of the same name, or start it; --fresh deletes it first. Saves the resolved config
+    (a preflight only checks that it could resume)."""
     directory = run_dir(cfg)
     config_path = directory / "run_config.json"
     if cfg.fresh and directory.exists():
@@ -238,10 +225,12 @@ def prepare_run(cfg: TrainConfig, backend: str) -> None:
                 raise DataError(f"run {cfg.name!r} was trained with {key}={previous.get(key)!r}, not "
                                 f"{getattr(cfg, key)!r}; use --fresh to start it over, or another --name.")
         print(f"resuming run {cfg.name!r} from {directory}", file=sys.stderr)
+    if cfg.preflight:
+        return  # a preflight changes nothing a later run or evaluation reads
     directory.mkdir(parents=True, exist_ok=True)
     # The backend and episode shape are read back by evaluation and `ask`: a run is served where it was trained
     # and plays the episodes it learned on.
-    config_path.write_text(json.dumps({**asdict(cfg), "backend": backend, "episode": asdict(episode_shape(cfg))},
+    config_path.write_text(json.dumps({**asdict(cfg), "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))},
                                       indent=2) + "\n")
 
 
@@ -331,13 +320,14 @@ async def train(cfg: TrainConfig) -> None:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
-    rollout_config = RolloutConfig.for_shape(episode_shape(cfg), reward=reward_mode, judge=judge)
+    rollout_config = RolloutConfig.for_shape(EpisodeShape.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge)
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
     if cfg.wandb and not wandb_installed():
         raise DataError("--wandb logs through the wandb package, which is not installed here: "
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
+    backend = backends.make_backend(backend_name, cfg)  # fails here, before anything is saved, if it cannot run
     prepare_run(cfg, backend_name)
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
         from email_agent.tracing import traced_rollout
@@ -347,7 +337,6 @@ async def train(cfg: TrainConfig) -> None:
     model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
                                report_metrics=["wandb"] if cfg.wandb else [],
                                _internal_config=backends.internal_config(cfg) if backend_name == "local" else None)
-    backend = backends.make_backend(backend_name, cfg)
     print(f"training {cfg.name!r}: {cfg.base_model} on {backend_name}, {len(train_questions)} train / "
           f"{len(val_questions)} val questions, reward {reward_mode}", file=sys.stderr)
     try:
@@ -357,7 +346,7 @@ async def train(cfg: TrainConfig) -> None:
         state = model.read_state() or {}
         after_each = None
         if reward_mode == "ruler":
-            params = {"api_base": cfg.judge_base_url, "api_key": "none"} if cfg.judge_base_url else None
+            params = judge.litellm_params() if judge else None  # the judge's endpoint and key (JUDGE_API_*)
             after_each = lambda group: rewards.ruler_group(group, ruler_model, params)  # noqa: E731
 
         def gather(questions, step):
@@ -458,6 +447,10 @@ def train_command(args) -> None:
     cfg = config_from_args(args)
     if cfg.keep_checkpoints not in ("best", "all"):
         raise DataError("--keep-checkpoints is best or all")
+    for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
+                "sft_batch_size", "max_turns", "max_tokens"):
+        if getattr(cfg, key) < 1:
+            raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
     print(json.dumps(asdict(cfg)), file=sys.stderr)
     # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
     loop = asyncio.new_event_loop()
@@ -472,9 +465,7 @@ def train_command(args) -> None:
         loop.close()
 
 
-# ----------------------------------------------------------------------------------------------
-# command line
-# ----------------------------------------------------------------------------------------------
+# ---- command line --------------------------------------------------------------------------------
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -15,7 +15,7 @@ from datetime import date
 from typing import Callable
 
 from . import evaluation
-from .data import DataError, Email, EmailDB, day_after
+from .data import DataError, Email, EmailDB, day_after, visible_until
 from .questions import Question
 
 
@@ -27,10 +27,7 @@ def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Que
         known = ", ".join(f"{address} ({count})" for address, count in db.largest_inboxes(5))
         raise DataError(f"{db.path} has no mail sent or received by {inbox!r}; its largest inboxes: {known}.")
     as_of = as_of or date.today().isoformat()
-    try:
-        day_after(as_of)
-    except ValueError:
-        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
+    visible_until(as_of)  # a one-sentence error for a malformed date
     return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")
 
 

@@ -61,7 +61,7 @@ Reply with JSON only, no prose:
 class GenerateConfig:
     model: str  # any litellm name: openai/gpt-4.1, anthropic/..., hosted_vllm/<served name> with base_url
     base_url: str | None = None  # an OpenAI-compatible endpoint (a litellm proxy, vLLM)
-    api_key: str | None = None  # from the environment; never logged
+    api_key: str | None = field(default=None, repr=False)  # from the environment; never logged or shown
     inboxes: list[str] = field(default_factory=list)  # empty: the largest inbox
     max_questions: int = 0  # stop once this many new questions are accepted (0: every batch)
     batch_size: int = 20  # emails the model sees at once (ART·E: 20)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from art.trajectories import TrajectoryGroup
 from openai.types.chat.chat_completion import Choice
 
+from .rewards import valid_tool_call_rate
+
 # A run below these lines learns nothing or little; warnings below `WARN_*` are printed but do not fail.
 MIN_TRAINABLE_SHARE = 0.25  # share of groups with reward variance
 MAX_JUDGE_ERROR_SHARE = 0.5  # share of judged answers (or RULER groups) the judge failed on
@@ -81,8 +83,7 @@ def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0) -> Health:
     spreads = [_std([t.reward for t in g.trajectories]) for g in scored]
     h.reward_spread = sum(spreads) / len(spreads) if spreads else 0.0
     total = lambda key: sum(t.metrics.get(key, 0) for t in trajs)  # noqa: E731
-    attempts = total("tool_calls") + total("parse_errors")
-    h.valid_call_rate = total("valid_tool_calls") / attempts if attempts else 0.0
+    h.valid_call_rate = valid_tool_call_rate(t.metrics for t in trajs) or 0.0
     h.answered = total("attempted_answer") / len(trajs)
     h.correct = total("answer_correct") / len(trajs)
     h.i_dont_know = total("returned_i_dont_know") / len(trajs)

@@ -109,7 +109,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "sources_correct": _mean(_metric(scored, "sources_correct")),
         "hallucination_rate": _mean(_metric(scored, "hallucinated")),
         "idk_rate": _mean(_metric(scored, "returned_i_dont_know")),
-        "valid_tool_call_rate": valid_tool_call_rate(r.get("metrics") or {} for r in records),
+        "valid_tool_call_rate": valid_tool_call_rate(r.get("metrics") or {} for r in scored),
         "avg_turns": _mean(_metric(scored, "num_turns")),
         "ran_out_of_turns_rate": _mean(_metric(scored, "ran_out_of_turns")),
         "latency_p50_s": _percentile(latency, 0.50),

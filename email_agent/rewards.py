@@ -130,7 +130,7 @@ class LLMJudge:
 
     model: str
     api_base: str | None = None
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never shown
     retries: int = 3
     timeout: float = 60.0
     cache_path: Path | None = None

@@ -352,6 +352,7 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= {
         p.name for p in checkpoint.iterdir()}
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 1
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["mode"] == "rl"  # Adam moments' kind
     history = (tmp_path / "test" / "models" / "agent" / "history.jsonl").read_text()
     assert '"train/loss"' in history
     assert flat_result.step == step == 2 and flat_result.metrics["num_trainable"] == 0
@@ -363,6 +364,7 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
         await model.register(backend)
         state = lora_weights(backend), await model.get_step(), model.get_inference_name()
         optimizer_state = backend.trainer.optimizer.state_dict()
+        assert backend.trainer.mode == "rl"  # so a resumed SFT step would reset the RL moments, as without a restart
         await backend.close()
         return (*state, optimizer_state)
 
@@ -433,6 +435,8 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
     assert 25 < tokens < 45, tokens
     assert second["train/loss"] < first["train/loss"]
     assert step == 2
+    saved = tmp_path / "test" / "models" / "sft" / "checkpoints" / "0002" / "trainer_state.json"
+    assert json.loads(saved.read_text())["mode"] == "sft"  # a resumed RL step resets these moments
 
 
 @pytest.mark.slow

@@ -379,3 +379,8 @@ def test_a_crashing_rollout_keeps_the_finished_ones(demo_db_path, demo_questions
     records = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     assert [r["question"] for r in records] == [demo_questions[0].question]
     assert (tmp_path / "out" / "report.html").exists()  # the finished rollout is reported
+
+
+def test_rejudge_of_a_folder_without_results_is_a_clear_error(tmp_path, capsys):
+    assert run_cli("--rejudge", tmp_path / "nothing-here", "--output", tmp_path / "out") == 1
+    assert "no results.jsonl there" in capsys.readouterr().err

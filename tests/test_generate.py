@@ -206,9 +206,9 @@ def test_killed_run_stores_nothing_and_rerun_adds_only_new(db_path, sig):
         time.sleep(0.5)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
-        assert proc.returncode in (-9, 130), err
+        assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 130), err
         assert stored(db_path) == []  # nothing half-done
-        assert "Traceback" not in err
+        assert "Traceback" not in err  # SIGTERM unwinds like Ctrl-C, quietly
         conn = sqlite3.connect(db_path)
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         conn.close()

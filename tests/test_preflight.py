@@ -181,6 +181,8 @@ def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, tmp_path, monk
     run = tmp_path / "email-agent/models/h"
     assert not (run / "history.jsonl").exists()
     assert not (run / "state.json").exists()  # the warm start is not marked done
+    assert not (run / "run_config.json").exists()  # nor its settings saved: evaluation reads them
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)  # a run that exists
     with pytest.raises(cli.DataError, match="--preflight with --fresh would delete"):
         asyncio.run(cli.train(cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0,
                                               preflight=True, fresh=True)))

@@ -230,7 +230,8 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
     monkeypatch.setattr(art, "ServerlessBackend", lambda **kw: calls.append(("serverless", kw)) or "S")
     assert backends.make_backend("serverless", cli.TrainConfig()) == "S"
     assert calls == [("serverless", {})]
-    assert "wandb-secret-123" not in capsys.readouterr().out
+    shown = capsys.readouterr()
+    assert "wandb-secret-123" not in shown.out + shown.err
 
 
 def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
@@ -374,3 +375,17 @@ def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape():
     flags = dict(re.findall(r"--([a-z-]+)(?: (\S+))?", line))
     assert int(flags["limit"]) >= 50
     assert not {"max-turns", "max-tokens", "max-body-chars", "search-results"} & set(flags)
+
+
+def test_a_backend_that_cannot_start_saves_no_run(demo_db_path, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    code = cli.main(["train", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "g",
+                     "--backend", "local", "--val-size", "1"])
+    assert code == 1 and "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "email-agent" / "models" / "g" / "run_config.json").exists()  # a CPU run may use the name
+
+
+@pytest.mark.parametrize("flag", ["--eval-every", "--groups-per-step", "--rollouts-per-group", "--max-turns"])
+def test_counts_below_one_are_clear_errors(demo_db_path, tmp_path, capsys, flag):
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), flag, "0"])
+    assert code == 1 and f"{flag} must be at least 1" in capsys.readouterr().err

@@ -187,7 +187,7 @@ class CPUBackend:
         resumed = os.path.isdir(directory)
         optimizer_for = functools.partial(new_optimizer, weight_decay=self.weight_decay)
         if resumed:
-            peft, optimizer, train_rng = load_checkpoint(base, directory, optimizer_for, self._sampling_rng)
+            peft, optimizer, train_rng, mode = load_checkpoint(base, directory, optimizer_for, self._sampling_rng)
             self._step = step
         else:
             with torch.random.fork_rng(devices=[]):
@@ -195,9 +195,10 @@ class CPUBackend:
                 peft = get_peft_model(base, self.lora_config)
             optimizer = optimizer_for(peft)
             train_rng = torch.Generator().manual_seed(self.seed).get_state()  # LoRA dropout, kept apart
+            mode = None
         self._trainer = Trainer(peft, tokenizer, optimizer, seed=self.seed, train_rng=train_rng,
                                 weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
-                                train_threads=self.train_threads, closing=self._worker.closing)
+                                train_threads=self.train_threads, closing=self._worker.closing, mode=mode)
         if resumed:
             logger.info("resumed %s from %s", model.name, directory)
         else:
@@ -214,7 +215,7 @@ class CPUBackend:
     def _save_checkpoint(self, step: int) -> str:
         trainer = self._trainer
         directory = save_checkpoint(self._model_dir, step, trainer.peft, trainer.optimizer, seed=self.seed,
-                                    train_rng=trainer.train_rng, sampling_rng=self._sampling_rng)
+                                    train_rng=trainer.train_rng, sampling_rng=self._sampling_rng, mode=trainer.mode)
         self._step = step
         return directory
 

@@ -19,11 +19,13 @@ import torch
 from art.utils.output_dirs import get_step_checkpoint_dir
 from peft import PeftModel
 
+from ...data import DataError
+
 _TEMPORARY = ".tmp-"
 
 
-class CheckpointError(RuntimeError):
-    """The latest checkpoint exists but cannot be loaded."""
+class CheckpointError(DataError):
+    """The latest checkpoint exists but cannot be loaded (worded for the user: one sentence, no traceback)."""
 
 
 def remove_partial_saves(model_dir: str) -> None:
@@ -35,7 +37,7 @@ def remove_partial_saves(model_dir: str) -> None:
 
 
 def save_checkpoint(model_dir: str, step: int, peft: PeftModel, optimizer: torch.optim.Optimizer, *,
-                    seed: int, train_rng: torch.Tensor, sampling_rng: random.Random) -> str:
+                    seed: int, train_rng: torch.Tensor, sampling_rng: random.Random, mode: str | None) -> str:
     """Write step's checkpoint to a temporary directory and rename it into place: a kill mid-save leaves no
     step directory. Returns the checkpoint directory."""
     final = get_step_checkpoint_dir(model_dir, step)
@@ -45,7 +47,7 @@ def save_checkpoint(model_dir: str, step: int, peft: PeftModel, optimizer: torch
     torch.save(optimizer.state_dict(), os.path.join(temporary, "optimizer.pt"))
     internal = sampling_rng.getstate()
     with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-        json.dump({"step": step, "seed": seed, "train_rng": base64.b64encode(bytes(train_rng.tolist())).decode(),
+        json.dump({"step": step, "seed": seed, "mode": mode, "train_rng": base64.b64encode(bytes(train_rng.tolist())).decode(),
                    "sampling_rng": [internal[0], list(internal[1]), internal[2]]}, f)
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -54,8 +56,9 @@ def save_checkpoint(model_dir: str, step: int, peft: PeftModel, optimizer: torch
 
 
 def load_checkpoint(base, directory: str, new_optimizer: Callable[[PeftModel], torch.optim.Optimizer],
-                    sampling_rng: random.Random) -> tuple[PeftModel, torch.optim.Optimizer, torch.Tensor]:
-    """(trainable LoRA on `base`, optimizer with its saved state, LoRA-dropout RNG state) from `directory`;
+                    sampling_rng: random.Random) -> tuple[PeftModel, torch.optim.Optimizer, torch.Tensor, str | None]:
+    """(trainable LoRA on `base`, optimizer with its saved state, LoRA-dropout RNG state, the optimizer's mode:
+    "sft", "rl" or None) from `directory`;
     `sampling_rng` is restored in place. Anything unreadable raises CheckpointError, worded for the user."""
     try:
         peft = PeftModel.from_pretrained(base, directory, is_trainable=True)
@@ -71,7 +74,7 @@ def load_checkpoint(base, directory: str, new_optimizer: Callable[[PeftModel], t
             f"Cannot resume from checkpoint {directory} ({type(error).__name__}: {error}). It is corrupt or "
             "incomplete: start over with --fresh, or delete that directory to resume from the one before."
         ) from error
-    return peft, optimizer, train_rng
+    return peft, optimizer, train_rng, state.get("mode")
 
 
 def load_merged(base, directory: str):

@@ -75,7 +75,7 @@ class Trainer:
 
     def __init__(self, peft: PeftModel, tokenizer, optimizer: torch.optim.AdamW, *, seed: int,
                  train_rng: torch.Tensor, weight_decay: float, max_grad_norm: float, train_threads: int,
-                 closing: threading.Event) -> None:
+                 closing: threading.Event, mode: str | None = None) -> None:
         self.peft = peft
         self.tokenizer = tokenizer
         self.optimizer = optimizer
@@ -85,7 +85,7 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.train_threads = train_threads
         self.closing = closing
-        self._mode: str | None = None
+        self.mode = mode  # "sft" or "rl": what the Adam moments were built on (saved with checkpoints)
 
     # -- GRPO ------------------------------------------------------------------------------------
 
@@ -222,9 +222,9 @@ class Trainer:
     # -- the optimizer step ------------------------------------------------------------------------
 
     def _prepare_optimizer(self, mode: str, learning_rate: float) -> None:
-        if self._mode not in (None, mode):
+        if self.mode not in (None, mode):
             self.optimizer.state.clear()
-        self._mode = mode
+        self.mode = mode
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
             group["weight_decay"] = self.weight_decay if mode == "rl" else 0.0
