@@ -3,7 +3,7 @@
 (a) Trainer: trained tokens/s of `CPUBackend.train` on a fixed batch of tool-using trajectories sampled
     through the backend's own server, beside two bare forward+backward loops over the same token rows
     with the same LoRA (see `bare_loops`): one doing the same model work as the trainer (shared prefix
-    once, logits at assistant positions only), which gives the trainer's overhead (target: train /
+    once, untrained segments without gradient, logits at assistant positions only), which gives the trainer's overhead (target: train /
     equal-work >= 0.7), and the plain transformers loop (all logits, whole rows), which gives the
     speed-up over the textbook approach.
 (b) Server: generated tokens/s at concurrency 1 and 8 (fixed max_tokens, ignore_eos), and the ratio.
@@ -16,6 +16,7 @@ stall at every barrier. The load average is printed for that reason.
 """
 
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -89,11 +90,11 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
     """Forward+backward over the rows `train` will see, with the same LoRA and threads, two ways:
 
     - "equal work": what the trainer computes, written with plain HF calls: the prompt prefix all rows share
-      run once without gradient, then each row's own tokens on top of it, logits only at assistant
-      positions (`logits_to_keep`). Against it, `train`'s figure measures the trainer's overhead (ART's
+      run once without gradient, then each row's own tokens on top of it in segments, untrained ones without
+      gradient, logits only at assistant positions. Against it, `train`'s figure measures the trainer's overhead (ART's
       tokenizer and loss, AdamW, the checkpoint).
     - "plain transformers": the textbook loop (whole row, all logits). Against it, the speed-up that
-      the shared prefix and `logits_to_keep` buy.
+      the shared prefix and the gradient-free untrained segments buy.
     Each returns (tokens, seconds); tokens count whole rows, as `train` does.
     """
     packed, _ = backend.trainer.pack(groups, {"scale_rewards": True}, step=0)
@@ -119,12 +120,20 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
             shared = int(differ[0]) if len(differ) else shared
         with torch.no_grad():
             prefix = [(k, v) for k, v, _ in peft(input_ids=first[None, :shared], use_cache=True).past_key_values]
-        for tokens, scored in rows:
-            positions = scored.nonzero().squeeze(-1)
-            logits = peft(input_ids=tokens[:, shared:], past_key_values=DynamicCache(prefix),
-                          logits_to_keep=positions - shared).logits[0].float()
-            picked = torch.log_softmax(logits, -1).gather(-1, tokens[0, positions + 1, None]).squeeze(-1)
-            (-picked.sum()).backward()
+        for tokens, scored in rows:  # untrained runs without gradient, trained runs with it, one cache
+            cache, begin, picked = DynamicCache(prefix), shared, []
+            for is_scored, run in itertools.groupby(scored[shared:].tolist()):
+                end = begin + len(list(run))
+                if is_scored:
+                    out = peft(input_ids=tokens[:, begin:end], past_key_values=cache, use_cache=True)
+                    logprobs = torch.log_softmax(out.logits[0].float(), -1)
+                    picked.append(logprobs.gather(-1, tokens[0, begin + 1:end + 1, None]).squeeze(-1))
+                else:
+                    with torch.no_grad():
+                        out = peft(input_ids=tokens[:, begin:end], past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1)
+                cache, begin = out.past_key_values, end
+            (-torch.cat(picked).sum()).backward()
 
     timings = {}
     for name, loop in (("equal work", equal_work), ("plain transformers", plain)):

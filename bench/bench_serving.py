@@ -88,11 +88,25 @@ def concatenating_kv_cache():
         engine._cache = original
 
 
-# (name, context manager that switches the lever off or on); the first is the reference for agreement.
-CONFIGURATIONS = [
-    ("engine, KV cache grown by torch.cat (before)", concatenating_kv_cache),
-    ("engine (all levers on)", contextlib.nullcontext),
-]
+@contextlib.contextmanager
+def engine_threads(prefill: int, decode: int):
+    """Intra-op threads for prefill and for decoding (the engine's defaults: 2 and 1 on two cores)."""
+    original = engine.PREFILL_THREADS, engine.DECODE_THREADS
+    engine.PREFILL_THREADS, engine.DECODE_THREADS = prefill, decode
+    try:
+        yield
+    finally:
+        engine.PREFILL_THREADS, engine.DECODE_THREADS = original
+
+
+# name -> context manager that switches one lever off (or an alternative on). The first one run is the
+# reference for greedy agreement.
+CONFIGURATIONS = {
+    "all": ("engine (all levers on)", contextlib.nullcontext),
+    "cat-cache": ("KV cache grown by torch.cat instead of in place", concatenating_kv_cache),
+    "prefill-1-thread": ("prefill on 1 thread instead of 2", lambda: engine_threads(1, 1)),
+    "decode-2-threads": ("decoding on 2 threads instead of 1", lambda: engine_threads(2, 2)),
+}
 
 
 async def run(configuration, checkpoint: str | None, questions, scripts) -> dict:
@@ -115,6 +129,8 @@ async def main() -> None:
     parser.add_argument("--db", default="data/demo.db", help="a demo database (build-db --demo)")
     parser.add_argument("--checkpoint", help="a LoRA checkpoint directory to serve (default: the base model)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat all configurations, interleaved")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
+                        help=f"comma-separated, the first is the reference (default: all of {', '.join(CONFIGURATIONS)})")
     args = parser.parse_args()
 
     db = EmailDB(args.db)
@@ -124,8 +140,9 @@ async def main() -> None:
     print(f"{EPISODES} episodes at once, {TURNS} turns each, greedy, max_tokens {MAX_TOKENS}, "
           f"model: {args.checkpoint or 'base SmolLM2-135M'}")
     reference = None
+    chosen = [CONFIGURATIONS[name] for name in args.configurations.split(",")]
     for round_ in range(args.rounds):
-        for configuration in CONFIGURATIONS:
+        for configuration in chosen:
             result = await run(configuration, args.checkpoint, questions, scripts)
             reference = reference or result["tokens"]
             same = sum(a == b for a, b in zip(result["tokens"], reference))

@@ -26,12 +26,14 @@ from .rewards import Rubric
 from .tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
 
 # ---- ALGO LOGIC: the prompt the agent starts from (a place to tune) ----------------------------------
+# What changes per question comes last, so every prompt of a run starts with the same instructions: the CPU
+# backend computes a shared start once (its prefix cache, the trainer's shared prefix), vLLM caches it too.
 SYSTEM_PROMPT = """You are an email search agent. Answer the user's question by searching their inbox with the tools.
-The user's email address is {inbox}. Today's date is {today}.
 You have up to {max_turns} turns. Search with a few specific keywords from the question, read the most
 promising email, and try other keywords if a search finds nothing. When you find the answer, call
 return_final_answer with a short answer and the message_id of the email it comes from. If the inbox does
-not contain the answer, call return_final_answer with "I don't know" and no sources."""
+not contain the answer, call return_final_answer with "I don't know" and no sources.
+The user's email address is {inbox}. Today's date is {today}."""
 
 
 @dataclass

@@ -77,8 +77,8 @@ class Inbox:
         email = self.db.read(message_id, inbox=self.address, visible_until=self.visible_until)
         if email is None:
             return None
-        record = asdict(email)
-        record.pop("file_name")
+        # Empty cc/bcc lists and the source file name tell the model nothing and cost tokens in every read.
+        record = {key: value for key, value in asdict(email).items() if key != "file_name" and value != []}
         body = record["body"]
         if len(body) > self.max_body_chars:
             record["body"] = body[:self.max_body_chars] + f"\n[... {len(body) - self.max_body_chars} more characters cut]"

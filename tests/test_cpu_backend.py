@@ -440,9 +440,12 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
 
 
 @pytest.mark.slow
-def test_shared_prompt_prefix_gives_the_same_logprobs_for_less_work(served):
+def test_trained_logprobs_are_those_of_one_pass_over_the_conversation(served):
+    """Shared prefix once, then untrained segments without gradient: the values must not change."""
     backend, _ = served
-    conversations = [[SYSTEM, {"role": "user", "content": question}, assistant_call({"keywords": [word]})]
+    conversations = [[SYSTEM, {"role": "user", "content": question}, assistant_call({"keywords": [word]}),
+                      {"role": "tool", "tool_call_id": "call_0", "content": f'[{{"subject": "{word} notes"}}]'},
+                      {"role": "assistant", "content": f"The {word} notes say Tuesday."}]
                      for question, word in [("When is the budget meeting?", "budget"), ("Who is Sally?", "Sally")]]
     rows = []
     for messages in conversations:
@@ -458,9 +461,14 @@ def test_shared_prompt_prefix_gives_the_same_logprobs_for_less_work(served):
     assert rows[0][0][0, :length].equal(rows[1][0][0, :length])
     with torch.no_grad():
         for tokens, targets in rows:
+            assert len(torch.unique_consecutive(targets[0])) == 5  # two trained turns between untrained text
+            one_pass = torch.log_softmax(backend.trainer.peft(input_ids=tokens).logits[0, :-1].float(), -1)
+            expected = (one_pass.gather(-1, tokens[0, 1:, None])[:, 0] * targets[0, :-1])[None]
+            expected = torch.nn.functional.pad(expected, (0, 1))
             full, _ = backend.trainer.target_logprobs(tokens, targets)
             shared, _ = backend.trainer.target_logprobs(tokens, targets, prefix)
-            assert targets.sum() > 5 and torch.allclose(full, shared, atol=1e-4)
+            assert targets.sum() > 10
+            assert torch.allclose(full, expected, atol=1e-4) and torch.allclose(shared, expected, atol=1e-4)
     assert backend.trainer.shared_prefix(rows[:1]) is None  # one row: nothing to share
 
 

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -21,6 +22,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
+
+# Intra-op threads. Decoding one token per row is bound by reading the weights and the cache and gains little
+# from a second thread, while the event loop (HTTP, templates, the rollouts' tools) needs the other core:
+# OpenMP threads that lose their core to another busy thread stall at every barrier, and small matmuls then
+# take 100x longer. Prefill is large matmuls, bound by arithmetic, and a second thread nearly halves it
+# (bench/bench_serving.py measures both).
+DECODE_THREADS = 1
+PREFILL_THREADS = min(2, os.cpu_count() or 1)
 
 
 @dataclass(eq=False)
@@ -112,10 +121,7 @@ class Worker:
             return True
 
     def _run(self) -> None:
-        # One intra-op thread: decoding (bound by reading the weights) gains little from a second one, and
-        # the event loop (HTTP, templates, the rollouts' tools) needs the other core. OpenMP threads that
-        # lose their core to another busy thread stall at every barrier: small matmuls then take 100x longer.
-        torch.set_num_threads(1)
+        torch.set_num_threads(DECODE_THREADS)
         batch = _Batch(self)
         while self._collect(block=not (batch.rows or self._pending or self._calls)):
             if self._calls and not batch.rows:
@@ -219,8 +225,12 @@ class _Batch:
         try:
             # Prefill alone (no padding waste, causal-only attention), from the longest cached prefix.
             reused, layers = prefixes.longest(row.prompt_ids)
-            out = self.worker.model(input_ids=torch.tensor([row.prompt_ids[reused:]]), use_cache=True,
-                                    past_key_values=DynamicCache(layers) if layers else None, logits_to_keep=1)
+            torch.set_num_threads(PREFILL_THREADS)
+            try:
+                out = self.worker.model(input_ids=torch.tensor([row.prompt_ids[reused:]]), use_cache=True,
+                                        past_key_values=DynamicCache(layers) if layers else None, logits_to_keep=1)
+            finally:
+                torch.set_num_threads(DECODE_THREADS)
         except Exception as error:  # noqa: BLE001 (one bad request must not stop the others)
             _settle(row, error=error)
             return
