@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--rl-learning-rate", type=float, default=3e-4)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--eval-every", type=int, default=2, help="RL steps between validations")
+    parser.add_argument("--concurrency", type=int, default=16, help="rollouts decoded as one batch (training and evaluation)")
     parser.add_argument("--with-base", action="store_true", help="evaluate the untrained base model too (0%% so far)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
@@ -63,10 +64,11 @@ def main() -> None:
     sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", str(args.groups_per_step),
                       "--rollouts-per-group", "4", "--eval-every", str(args.eval_every),
-                      "--learning-rate", str(args.rl_learning_rate))
+                      "--learning-rate", str(args.rl_learning_rate), "--concurrency", str(args.concurrency))
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
-                            *models, "--limit", str(args.test_questions), "--output", str(work / "report"), *shape)
+                            *models, "--limit", str(args.test_questions), "--output", str(work / "report"),
+                            "--concurrency", str(args.concurrency), *shape)
     total = time.perf_counter() - started
 
     summary = json.loads((work / "report" / "summary.json").read_text())["models"]

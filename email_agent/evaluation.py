@@ -23,6 +23,7 @@ from . import rewards
 from .backends import ART_DIR, CPU_BASE_MODEL, PROJECT, run_path
 from .data import DataError
 from .episode import EpisodeShape
+from .redact import redact
 from .questions import Question
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, 
     except DataError:
         raise
     except Exception as exc:  # a runtime that will not build or start: say so, with the way around it
-        raise DataError(cannot_serve(run, step, f"{type(exc).__name__}: {str(exc)[:300]}")) from None
+        raise DataError(cannot_serve(run, step, f"{type(exc).__name__}: {redact(str(exc)[:300])}")) from None
     return client, f"{run.name}@{wanted}", served
 
 
@@ -328,7 +329,7 @@ async def probe(contestant: Contestant) -> None:
             listed = f"; it serves {', '.join(served[:10])}" if served else ""
             return DataError(f"{contestant.label}: {where} does not serve a model named {model!r}{listed}.")
         return DataError(f"{contestant.label}: {where} answered the probe with HTTP "
-                         f"{getattr(exc, 'status_code', '?')}: {str(exc)[:200]}")
+                         f"{getattr(exc, 'status_code', '?')}: {redact(str(exc)[:200])}")
 
     try:
         page = await client.models.list()

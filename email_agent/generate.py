@@ -35,6 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .data import DataError
+from .redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
                                                  **{k: v for k, v in params.items() if v is not None})
         except Exception as exc:  # network, auth, rate limit: retried, then counted (never with the key)
             error = f"API error: {type(exc).__name__}"
-            log.warning("batch %s: %s: %s", key[:8], error, _scrub(str(exc)[:300], cfg.api_key))
+            log.warning("batch %s: %s: %s", key[:8], error, redact(str(exc)[:300], cfg.api_key))
             if attempt + 1 < cfg.retries:
                 await asyncio.sleep(min(2 ** attempt, 10))
             continue
@@ -306,10 +307,6 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
         cache.add(row)
         return {**row, "cached": False}
     return {"error": error}
-
-
-def _scrub(text: str, secret: str | None) -> str:
-    return text.replace(secret, "[key]") if secret else text
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .redact import redact
 from .rewards import valid_tool_call_rate
 
 VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "val/hallucinated", "val/num_turns"]
@@ -25,7 +26,6 @@ VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "
 CURVE_METRICS = ["train/reward", *VAL_METRICS]
 TOOL_RESULT_LIMIT = 2000
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
-_SECRET_RES = [re.compile(r"sk-[A-Za-z0-9_-]{8,}"), re.compile(r"Bearer \S+")]
 DASH = "—"
 
 
@@ -170,9 +170,7 @@ def load_history(path) -> list[dict]:
 # ---------------------------------------------------------------- formatting
 
 def _scrub(text) -> str:
-    text = "" if text is None else str(text)
-    text = _SECRET_RES[0].sub("sk-[redacted]", text)
-    return _SECRET_RES[1].sub("Bearer [redacted]", text)
+    return redact(text)
 
 
 def _esc(text) -> str:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import tenacity
 
+from .redact import redact
+
 log = logging.getLogger(__name__)
 
 REWARD_MODES = ("offline", "shaped", "judge", "ruler")
@@ -177,7 +179,7 @@ class LLMJudge:
             fallback = offline_verdict(answer, gold)
             return Verdict(fallback.correct, "offline", fallback.reasoning,
                            error=f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
-                                 f"({type(exc).__name__}: {str(exc)[:200]})")
+                                 f"({type(exc).__name__}: {redact(str(exc)[:200])})")
         self._cache[key] = verdict
         if self.cache_path:
             with open(self.cache_path, "a") as f:
@@ -290,7 +292,7 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
                                  f"not each of {expected} once")
             break
         except Exception as exc:  # network, malformed or incomplete reply: retried, then recorded
-            error = f"RULER judge {judge_model}: {type(exc).__name__}: {str(exc)[:200]}"
+            error = f"RULER judge {judge_model}: {type(exc).__name__}: {redact(str(exc)[:200])}"
     else:
         for t in trajectories:
             t.metrics.update(independent_reward=t.reward, ruler_error=1)

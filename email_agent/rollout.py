@@ -21,6 +21,7 @@ from openai import AsyncOpenAI
 from . import rewards
 from .data import EmailDB
 from .episode import EpisodeShape
+from .redact import redact
 from .questions import Question
 from .rewards import Rubric
 from .tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
@@ -124,7 +125,7 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
             response = await policy.complete(messages)
         except openai.APIError as exc:  # after the client's own retries: timeouts, 4xx/5xx, refused connections
             rubric.api_errors += 1
-            error = f"policy API error: {type(exc).__name__}: {str(exc)[:300]}"
+            error = f"policy API error: {type(exc).__name__}: {redact(str(exc)[:300])}"
             rubric.latency_s += time.perf_counter() - started
             break
         rubric.latency_s += time.perf_counter() - started

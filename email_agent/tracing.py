@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+from .redact import redact
+
 log = logging.getLogger(__name__)
 
 
@@ -21,7 +23,7 @@ def traced_rollout(project: str, rollout, judge=None):
 
         weave.init(project)
     except Exception as exc:  # weave raises many kinds (auth, network, config); tracing is a nicety
-        log.warning("W&B Weave tracing is off: %s: %s", type(exc).__name__, str(exc)[:200])
+        log.warning("W&B Weave tracing is off: %s: %s", type(exc).__name__, redact(str(exc)[:200]))
         return rollout
     if judge is not None:
         judge.verdict = weave.op(judge.verdict, name="judge")

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from email_agent.redact import redact
 from email_agent.report import load_history, summarize, wilson_interval, write_report
 
 
@@ -220,3 +221,15 @@ def test_mcnemar_exact_matches_the_binomial():
     assert mcnemar_exact(6, 0) == pytest.approx(2 / 64)  # all 6 discordant pairs favour A: 2 * 0.5**6
     assert mcnemar_exact(1, 9) == pytest.approx(2 * 11 / 1024)  # 2 * P(X <= 1), X ~ Bin(10, 1/2)
     assert mcnemar_exact(9, 1) == mcnemar_exact(1, 9)
+
+
+def test_redact_removes_keys_in_use_whatever_their_shape(monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "ant-key-0123456789")
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghij")
+    monkeypatch.setenv("POLICY_API_KEY", "x")  # a placeholder too short to be a secret: left alone
+    text = ("401: invalid key ant-key-0123456789 (token hf_abcdefghij, given gk-given-secret, "
+            "header Bearer abc.def, key sk-proj-0123456789) for model x")
+    shown = redact(text, "gk-given-secret", None)
+    for secret in ("ant-key-0123456789", "hf_abcdefghij", "gk-given-secret", "abc.def", "sk-proj-0123456789"):
+        assert secret not in shown
+    assert shown.endswith("for model x") and shown.count("[redacted]") == 5
