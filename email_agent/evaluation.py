@@ -23,8 +23,8 @@ from . import rewards
 from .backends import ART_DIR, CPU_BASE_MODEL, PROJECT, run_path
 from .data import DataError
 from .episode import EpisodeShape
-from .redact import redact
 from .questions import Question
+from .redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from openai import AsyncOpenAI
 from . import rewards
 from .data import EmailDB
 from .episode import EpisodeShape
-from .redact import redact
 from .questions import Question
+from .redact import redact
 from .rewards import Rubric
 from .tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
 
