@@ -13,6 +13,11 @@ the reference for greedy agreement (identical token ids per request), which exac
     python train_email_search_agent.py build-db --demo --db /tmp/cpu-demo.db
     .venv/bin/python bench/bench_serving.py --db /tmp/cpu-demo.db [--checkpoint DIR] [--rounds 2]
 
+With --agent CHECKPOINT the work is instead the evaluation's own: the checkpoint plays --questions held-out
+test questions through the real rollout code (greedy, 8 at once, the demo preset's episode shape: 4 turns,
+64 tokens, 3 results, 600-character bodies), so the time is what `test_email_search_agent.py --limit 16`
+spends on rollouts, and agreement compares each episode's messages.
+
 Figures depend on what else runs on the machine; the load average is printed for that reason.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import time
@@ -73,6 +79,25 @@ async def episode(client: openai.AsyncOpenAI, name: str, question, tool_results:
     return generated, prompt_tokens
 
 
+async def agent_episodes(checkpoint: str, db: EmailDB, questions) -> dict:
+    """The evaluation's work: `rollout` of the checkpoint on each question, greedy, EPISODES at once."""
+    from email_agent.episode import EpisodeShape
+    from email_agent.rollout import Policy, RolloutConfig, rollout
+
+    shape = EpisodeShape(max_turns=TURNS, max_tokens=MAX_TOKENS, max_body_chars=600, search_results=3)
+    async with serve_checkpoint("smollm2", checkpoint, "bench", max_batch_size=EPISODES) as base_url:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
+        policy = Policy(client, "bench", temperature=0.0, max_tokens=shape.max_tokens, max_concurrency=EPISODES)
+        await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        started = time.monotonic()
+        trajectories = await asyncio.gather(*(rollout(policy, q, db, RolloutConfig.for_shape(shape)) for q in questions))
+        seconds = time.monotonic() - started
+    return {"seconds": seconds, "tokens": [json.dumps(t.messages(), sort_keys=True) for t in trajectories],
+            "generated": sum(t.metrics["completion_tokens"] for t in trajectories),
+            "prompt_tokens": sum(t.metrics["prompt_tokens"] for t in trajectories),
+            "correct": sum(t.metrics["answer_correct"] for t in trajectories)}
+
+
 @contextlib.contextmanager
 def concatenating_kv_cache():
     """The engine before its growing cache: every decode step torch.cat's each layer's whole KV cache."""
@@ -109,8 +134,11 @@ CONFIGURATIONS = {
 }
 
 
-async def run(configuration, checkpoint: str | None, questions, scripts) -> dict:
+async def run(configuration, checkpoint: str | None, questions, scripts, agent: str | None, db: EmailDB) -> dict:
     _, lever = configuration
+    if agent:
+        with lever():
+            return await agent_episodes(agent, db, questions)
     with lever():
         async with serve_checkpoint("smollm2", checkpoint, "bench", max_batch_size=EPISODES) as base_url:
             client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
@@ -128,28 +156,36 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--db", default="data/demo.db", help="a demo database (build-db --demo)")
     parser.add_argument("--checkpoint", help="a LoRA checkpoint directory to serve (default: the base model)")
+    parser.add_argument("--agent", metavar="CHECKPOINT", help="play real evaluation episodes of this LoRA "
+                                                             "checkpoint directory instead of scripted ones")
+    parser.add_argument("--questions", type=int, default=16, help="test questions played with --agent")
     parser.add_argument("--rounds", type=int, default=1, help="repeat all configurations, interleaved")
     parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
                         help=f"comma-separated, the first is the reference (default: all of {', '.join(CONFIGURATIONS)})")
     args = parser.parse_args()
 
     db = EmailDB(args.db)
-    questions = select_questions(db, "test", seed=0, limit=EPISODES)
+    questions = select_questions(db, "test", seed=0, limit=args.questions) if args.agent else \
+        select_questions(db, "test", seed=0, limit=EPISODES)
     scripts = [scripted_tool_results(db, q) for q in questions]
     print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}")
-    print(f"{EPISODES} episodes at once, {TURNS} turns each, greedy, max_tokens {MAX_TOKENS}, "
-          f"model: {args.checkpoint or 'base SmolLM2-135M'}")
+    if args.agent:
+        print(f"evaluation episodes: {len(questions)} test questions, {EPISODES} at once, greedy, checkpoint {args.agent}")
+    else:
+        print(f"{EPISODES} episodes at once, {TURNS} turns each, greedy, max_tokens {MAX_TOKENS}, "
+              f"model: {args.checkpoint or 'base SmolLM2-135M'}")
     reference = None
     chosen = [CONFIGURATIONS[name] for name in args.configurations.split(",")]
     for round_ in range(args.rounds):
         for configuration in chosen:
-            result = await run(configuration, args.checkpoint, questions, scripts)
+            result = await run(configuration, args.checkpoint, questions, scripts, args.agent, db)
             reference = reference or result["tokens"]
             same = sum(a == b for a, b in zip(result["tokens"], reference))
             print(f"[round {round_ + 1}] {configuration[0]}: {result['seconds']:6.1f}s, "
-                  f"{result['seconds'] / EPISODES:5.2f} s/episode, {result['generated'] / result['seconds']:5.1f} "
+                  f"{result['seconds'] / len(questions):5.2f} s/episode, {result['generated'] / result['seconds']:5.1f} "
                   f"generated tokens/s ({result['generated']} tokens; {result['prompt_tokens']} prompt tokens "
-                  f"over {len(result['tokens'])} requests); greedy agreement {same}/{len(reference)} requests, "
+                  f"over {len(result['tokens'])} {'episodes' if args.agent else 'requests'}); greedy agreement "
+                  f"{same}/{len(reference)}{', correct answers ' + str(result['correct']) if args.agent else ''}, "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
