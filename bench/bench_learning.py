@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--eval-every", type=int, default=2, help="RL steps between validations")
     parser.add_argument("--concurrency", type=int, default=16, help="rollouts decoded as one batch (training and evaluation)")
+    parser.add_argument("--cpu-train-threads", type=int, default=0,
+                        help="training threads (default: all cores; 1 when other jobs share the machine)")
     parser.add_argument("--with-base", action="store_true", help="evaluate the untrained base model too (0%% so far)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
@@ -55,7 +57,8 @@ def main() -> None:
     shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
     train = ["train_email_search_agent.py", "train", "--demo", "--db", str(db), "--art-dir", str(art_dir),
              "--name", "learn", "--keep-checkpoints", "all", "--val-size", "16", *shape,
-             "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs)]
+             "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs),
+             "--cpu-train-threads", str(args.cpu_train_threads)]
     times = {}
     started = time.perf_counter()
     times["build"] = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")

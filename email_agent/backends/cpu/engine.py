@@ -27,9 +27,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 # from a second thread, while the event loop (HTTP, templates, the rollouts' tools) needs the other core:
 # OpenMP threads that lose their core to another busy thread stall at every barrier, and small matmuls then
 # take 100x longer. Prefill is large matmuls, bound by arithmetic, and a second thread nearly halves it
-# (bench/bench_serving.py measures both).
+# (bench/bench_serving.py measures both). Workers running at once (an evaluation serves each model with its
+# own) share the prefill threads, so they never ask for more threads than there are cores.
 DECODE_THREADS = 1
 PREFILL_THREADS = min(2, os.cpu_count() or 1)
+_live_workers = 0
 
 
 @dataclass(eq=False)
@@ -81,6 +83,8 @@ class Worker:
         self._calls: collections.deque[_Call] = collections.deque()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        global _live_workers
+        _live_workers += 1
 
     def serve(self, model, tokenizer) -> None:
         """Decode with `model` from now on (call it on the worker thread, through `call`)."""
@@ -104,6 +108,9 @@ class Worker:
         return await generation.future
 
     def close(self) -> None:
+        global _live_workers
+        if not self.closing.is_set():
+            _live_workers -= 1
         self.closing.set()
         self._jobs.put(None)
         self._thread.join()
@@ -225,7 +232,7 @@ class _Batch:
         try:
             # Prefill alone (no padding waste, causal-only attention), from the longest cached prefix.
             reused, layers = prefixes.longest(row.prompt_ids)
-            torch.set_num_threads(PREFILL_THREADS)
+            torch.set_num_threads(max(1, PREFILL_THREADS // max(1, _live_workers)))
             try:
                 out = self.worker.model(input_ids=torch.tensor([row.prompt_ids[reused:]]), use_cache=True,
                                         past_key_values=DynamicCache(layers) if layers else None, logits_to_keep=1)
