@@ -44,7 +44,10 @@ DRAFT_TOKENS = 6  # most draft tokens per row and forward; 0 switches speculatio
 DRAFT_NGRAM = 3  # the lookup matches the row's last 3 tokens, else 2, else 1
 FORWARD_OVERHEAD = 32  # a forward's cost beyond its rows x positions, in positions (weights and cache reads)
 ACCEPTANCE_PRIOR, ACCEPTANCE_RATE = 0.5, 0.2  # each row's running estimate that its next draft token is accepted
-HOLE_SHARE = 0.125  # compact the cache once rejected drafts' masked columns are this share of every row
+# Compact the cache once rejected drafts' masked columns are this share of every row. A compaction copies the
+# cache (~0.5 s at 8 rows of 1800 columns) and holes cost their share of attention (~0.1 s a step there), so
+# a quarter pays back in ~20 steps; rows that finish compact it anyway, most turns are shorter than that.
+HOLE_SHARE = 0.25
 # Decode forwards, their rows (row_forwards), the tokens those rows emitted, draft tokens proposed and accepted,
 # cache compactions: for benches and tests.
 stats: collections.Counter = collections.Counter()
@@ -228,13 +231,14 @@ def _shared_length(a: tuple, b: tuple, n: int) -> int:
 
 
 class _Batch:
-    """Rows decoding together over one left-padded KV cache; each row keeps its own positions."""
+    """Rows decoding together over one left-padded KV cache; each row keeps its own positions. Rejected
+    draft tokens leave masked columns (holes) in their rows until `_retire` compacts the cache."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.rows: list[Generation] = []
         self.cache: Cache | None = None
-        self.mask: torch.Tensor | None = None  # [rows, cache length], 0 over left padding
+        self.mask: torch.Tensor | None = None  # [rows, cache length], 0 over left padding and holes
 
     @torch.no_grad()
     def admit(self, row: Generation) -> None:
