@@ -354,7 +354,8 @@ def test_emitted_run_stops_where_one_token_decoding_would():
     batch = engine._Batch(worker)
 
     def row(max_new_tokens, ignore_eos=False):
-        return engine.Generation([1], max_new_tokens, 0.0, 1.0, ignore_eos, None, None, None, tokens=[1], logprobs=[0.0])
+        return engine.Generation([1], max_new_tokens, 0.0, 1.0, ignore_eos, None, None, None,
+                                 tokens=[1], logprobs=[0.0])
 
     emitted = [(5, -0.1), (2, -0.2), (7, -0.3)]
     stopped, cut, through = row(10), row(3), row(10, ignore_eos=True)
