@@ -124,6 +124,16 @@ def engine_threads(prefill: int, decode: int):
         engine.PREFILL_THREADS, engine.DECODE_THREADS = original
 
 
+@contextlib.contextmanager
+def without_speculation():
+    """One token per row and forward: no prompt-lookup drafts."""
+    original, engine.DRAFT_TOKENS = engine.DRAFT_TOKENS, 0
+    try:
+        yield
+    finally:
+        engine.DRAFT_TOKENS = original
+
+
 # name -> context manager that switches one lever off (or an alternative on). The first one run is the
 # reference for greedy agreement.
 CONFIGURATIONS = {
@@ -131,6 +141,7 @@ CONFIGURATIONS = {
     "cat-cache": ("KV cache grown by torch.cat instead of in place", concatenating_kv_cache),
     "prefill-1-thread": ("prefill on 1 thread instead of 2", lambda: engine_threads(1, 1)),
     "decode-2-threads": ("decoding on 2 threads instead of 1", lambda: engine_threads(2, 2)),
+    "no-speculation": ("no prompt-lookup speculation (one token per row and forward)", without_speculation),
 }
 
 
@@ -144,12 +155,14 @@ async def run(configuration, checkpoint: str | None, questions, scripts, agent: 
             client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
             await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=2)  # warm-up
+            stats = engine.stats.copy()
             started = time.monotonic()
             episodes = await asyncio.gather(*(episode(client, "bench", q, s) for q, s in zip(questions, scripts)))
             seconds = time.monotonic() - started
+            stats = engine.stats - stats
     tokens = [turn for generated, _ in episodes for turn in generated]
     return {"seconds": seconds, "tokens": tokens, "generated": sum(map(len, tokens)),
-            "prompt_tokens": sum(p for _, p in episodes)}
+            "prompt_tokens": sum(p for _, p in episodes), "stats": stats}
 
 
 async def main() -> None:
@@ -187,6 +200,10 @@ async def main() -> None:
                   f"over {len(result['tokens'])} {'episodes' if args.agent else 'requests'}); greedy agreement "
                   f"{same}/{len(reference)}{', correct answers ' + str(result['correct']) if args.agent else ''}, "
                   f"load {os.getloadavg()[0]:.2f}", flush=True)
+            stats = result["stats"]
+            print(f"    decode forwards {stats['forwards']}, {stats['tokens'] / max(stats['row_forwards'], 1):.2f} "
+                  f"tokens per row and forward; draft tokens accepted {stats['accepted']}/{stats['drafted']}; "
+                  f"cache compactions {stats['compactions']}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

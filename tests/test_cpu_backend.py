@@ -8,6 +8,7 @@ backend; training tests get their own backend in a temporary directory.
 import asyncio
 import json
 import math
+import types
 import socket
 import threading
 import urllib.parse
@@ -15,7 +16,8 @@ import urllib.parse
 import pytest
 
 from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, parse_tool_calls, serve_checkpoint
-from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache
+from email_agent.backends.cpu import engine
+from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache, propose_draft, verify
 from email_agent.backends.cpu.trainer import without_choice_tool_calls
 
 import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
@@ -282,6 +284,153 @@ def test_growing_kv_layer_matches_concatenation_and_grows_past_its_room():
         reference = torch.cat([reference, new], dim=2)
         assert torch.equal(keys, reference) and torch.equal(values, reference * 2)
     assert layer.get_seq_length() == 11
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding (prompt lookup)
+# ----------------------------------------------------------------------------------------------
+
+def test_draft_copies_what_followed_the_latest_match_of_the_longest_suffix():
+    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    ids = [1, 2, 3, 4, 5, 9, 2, 3, 6, 7, 8, 1, 2, 3]
+    # [1, 2, 3] occurs at 0 only (followed by 4, 5, ...); [2, 3] alone would match later, at 6 (followed by 6).
+    assert propose_draft(ids, 4) == [4, 5, 9, 2]
+    assert propose_draft(ids, 2) == [4, 5]
+    assert propose_draft(ids[:9] + [2, 3], 3) == [6, 2, 3]  # [6, 2, 3] has no earlier match; [2, 3] at 6 wins
+    assert propose_draft([5, 6, 7, 6], 3) == [7, 6]  # down to one token, cut at the end of the sequence
+    assert propose_draft([5, 6, 7, 8], 3) == []  # no earlier occurrence of the last token
+    assert propose_draft(ids, 0) == [] and propose_draft([4], 3) == []
+
+
+def test_greedy_verification_accepts_the_argmax_prefix_then_the_model_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0],   # argmax 1
+                           [0.0, 0.0, 0.0, 5.0],   # argmax 3
+                           [2.0, 0.0, 1.0, 0.0],   # argmax 0
+                           [0.0, 0.0, 0.0, 0.0]])
+    generator = torch.Generator().manual_seed(0)
+    logprobs = torch.log_softmax(logits, -1)
+    assert verify(logits, [1, 3, 2], 0.0, 1.0, generator) == [
+        (1, float(logprobs[0, 1])), (3, float(logprobs[1, 3])), (0, float(logprobs[2, 0]))]  # 2 rejected
+    assert verify(logits[:3], [1, 3], 0.0, 1.0, generator) == [
+        (1, float(logprobs[0, 1])), (3, float(logprobs[1, 3])), (0, float(logprobs[2, 0]))]  # all + one more
+    assert verify(logits[:1], [], 0.0, 1.0, generator) == [(1, float(logprobs[0, 1]))]
+
+
+def test_sampled_verification_accepts_certain_drafts_and_never_emits_a_rejected_one():
+    logits = torch.tensor([[4.0, 0.0, 0.0, -1.0], [0.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    temperature, top_p = 0.7, 0.5  # top_p keeps only the leading token of rows 0 and 1
+    logprobs = torch.log_softmax(logits / temperature, -1)  # what ART is given: temperature-scaled, unfiltered
+    for seed in range(20):
+        generator = torch.Generator().manual_seed(seed)
+        emitted = verify(logits, [0, 1], temperature, top_p, generator)
+        assert [t for t, _ in emitted[:2]] == [0, 1]  # p(draft) = 1 after top_p: always accepted
+        assert emitted[2][1] == float(logprobs[2, emitted[2][0]])
+        generator = torch.Generator().manual_seed(seed)
+        emitted = verify(logits, [3, 1], temperature, top_p, generator)
+        assert emitted == [(0, float(logprobs[0, 0]))]  # p(3) = 0: rejected, p without 3 leaves only 0
+
+
+def test_sampled_verification_keeps_the_model_distribution():
+    """Speculative sampling with a point-mass draft: the first emitted token is distributed as p whatever the
+    draft, and after an accepted draft token the next one is drawn from the next position's p."""
+    logits = torch.tensor([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]])
+    temperature, trials = 1.3, 6000
+    p = torch.softmax(logits / temperature, -1)
+    generator = torch.Generator().manual_seed(1)
+    first, second = torch.zeros(3), torch.zeros(3)
+    for _ in range(trials):
+        emitted = verify(logits, [1], temperature, 1.0, generator)
+        first[emitted[0][0]] += 1
+        if len(emitted) == 2:
+            second[emitted[1][0]] += 1
+    tolerance = 4 * (p * (1 - p) / trials).sqrt()  # four standard errors
+    assert ((first / trials - p[0]).abs() < tolerance[0]).all(), (first / trials, p[0])
+    assert first[1] == second.sum()  # accepted draft tokens, each followed by one model token
+    assert ((second / second.sum() - p[1]).abs() < 4 * (p[1] * (1 - p[1]) / second.sum()).sqrt()).all()
+
+
+def test_emitted_run_stops_where_one_token_decoding_would():
+    worker = types.SimpleNamespace(stop_ids={2})
+    batch = engine._Batch(worker)
+
+    def row(max_new_tokens, ignore_eos=False):
+        return engine.Generation([1], max_new_tokens, 0.0, 1.0, ignore_eos, None, None, None,
+                                 tokens=[1], logprobs=[0.0])
+
+    emitted = [(5, -0.1), (2, -0.2), (7, -0.3)]
+    stopped, cut, through = row(10), row(3), row(10, ignore_eos=True)
+    for generation in (stopped, cut, through):
+        batch._emit(generation, emitted)
+    assert stopped.tokens == [1, 5, 2] and stopped.logprobs == [0.0, -0.1, -0.2] and stopped.finish_reason == "stop"
+    assert cut.tokens == [1, 5, 2] and cut.finish_reason == "stop"
+    assert through.tokens == [1, 5, 2, 7] and through.finish_reason is None
+    batch._emit(through, emitted)
+    assert through.tokens == [1, 5, 2, 7, 5, 2, 7] and through.finish_reason is None
+    short = row(3, ignore_eos=True)
+    batch._emit(short, emitted)
+    assert short.tokens == [1, 5, 2] and short.finish_reason == "length"
+
+
+def test_compaction_right_aligns_each_rows_valid_keys_and_values():
+    batch = engine._Batch(types.SimpleNamespace(stop_ids=set()))
+    batch.rows = [engine.Generation([1], 8, 0.0, 1.0, False, None, None, types.SimpleNamespace(cancelled=lambda: False))
+                  for _ in range(2)]
+    batch.mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0]])  # rejected drafts left holes
+    keys = torch.randn(2, 3, 6, 4)
+    batch.cache = engine._cache([[keys]], [[keys * 2]], 6, batch.rows)
+    batch._retire()
+    assert batch.mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    layer = batch.cache.layers[0]
+    assert torch.equal(layer.keys[0, :, 1:], keys[0, :, [1, 2, 4]]) and torch.equal(layer.keys[1], keys[1, :, :4])
+    assert torch.equal(layer.values, layer.keys * 2)
+    new = torch.randn(2, 3, 1, 4)
+    assert torch.equal(layer.update(new, new)[0][:, :, -1:], new)  # still grows in place
+    batch.mask = torch.tensor([[0, 1, 0, 1, 1], [1, 1, 1, 1, 1]])  # a full row: compacting would gain nothing
+    batch._retire()
+    assert batch.mask.shape == (2, 5)
+
+
+@pytest.mark.slow
+def test_speculation_keeps_greedy_tokens_and_logprobs(loop, served, monkeypatch):
+    """Concurrent requests of different lengths that copy from their prompts: the same tokens and logprobs with
+    speculation (compacting the cache at every step, or only past HOLE_SHARE) as one token per forward."""
+    _, model = served
+    message_id, body = "<demo.000201@larkspur.example>", ("Hi team, the quarterly budget meeting with Sally moves "
+                                                          "to Friday at 3pm in room 4B. Bring the Q3 forecast.")
+    prompts = [[{"role": "user", "content": "Repeat exactly: <a.17@corp.example>"},
+                {"role": "assistant", "content": "<a.17@corp.example>"},
+                {"role": "user", "content": f"Repeat exactly: {message_id}"}],
+               [{"role": "user", "content": f"Copy this text exactly: {body}"}],
+               [{"role": "user", "content": "Continue the list up to 20: 1, 2, 3, 4, 5, 6, 7, 8"}],
+               [{"role": "user", "content": 'Output this JSON exactly: {"name": "read_email", "arguments": '
+                                            f'{{"message_id": "{message_id}"}}}}'}],
+               [SYSTEM, QUESTION]]
+    lengths = [24, 40, 30, 36, 16]
+
+    async def run():
+        return await asyncio.gather(*(ask(model, p, temperature=0, max_tokens=n) for p, n in zip(prompts, lengths)))
+
+    def decode():
+        before = engine.stats.copy()
+        choices = loop.run_until_complete(run())
+        return choices, engine.stats - before
+
+    monkeypatch.setattr(engine, "HOLE_SHARE", 0.0)
+    compacting, compacting_stats = decode()
+    monkeypatch.undo()
+    speculative, speculative_stats = decode()
+    monkeypatch.setattr(engine, "DRAFT_TOKENS", 0)
+    plain, plain_stats = decode()
+    assert plain_stats["drafted"] == 0 and plain_stats["tokens"] == plain_stats["row_forwards"]
+    for run_stats in (compacting_stats, speculative_stats):
+        assert run_stats["accepted"] > 10 and run_stats["forwards"] < plain_stats["forwards"], run_stats
+    assert compacting_stats["compactions"] >= 1
+    for choices in (compacting, speculative):
+        for a, b in zip(choices, plain):
+            assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
+            assert a.finish_reason == b.finish_reason
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.content, b.logprobs.content)) < 1e-4
+    assert plain[0].message.content == message_id and plain[1].message.content == body  # copied from the prompt
 
 
 # ----------------------------------------------------------------------------------------------

@@ -83,14 +83,18 @@ TOOL_CHAT_TEMPLATE = """\
 """
 
 
+SHORT_QUERY = 16  # query positions up to which grouped_query_attention computes attention itself
+
+
 def grouped_query_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """sdpa, except when decoding one token per row over a padded batch: there transformers copies every
-    key/value head once per query head (`repeat_kv`, as it must with a mask), over half of a decode step
-    with long prompts. Here each key/value head is read once for its whole group of query heads. Longer
-    queries (prefill, training) keep sdpa's fused kernel, which never materialises the attention scores."""
-    if attention_mask is None or query.shape[2] > 1 or key.shape[1] == query.shape[1]:
+    """sdpa, except for short queries over a padded batch (decoding one token per row, or verifying a few
+    draft tokens): there transformers copies every key/value head once per query head (`repeat_kv`, as it
+    must with a mask), over half of a decode step with long prompts. Here each key/value head is read once
+    for its whole group of query heads. Longer queries (prefill, training) keep sdpa's fused kernel, which
+    never materialises the attention scores."""
+    if attention_mask is None or query.shape[2] > SHORT_QUERY or key.shape[1] == query.shape[1]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     batch, heads, length, dim = query.shape
