@@ -89,10 +89,12 @@ async def agent_episodes(checkpoint: str, db: EmailDB, questions) -> dict:
         client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
         policy = Policy(client, "bench", temperature=0.0, max_tokens=shape.max_tokens, max_concurrency=EPISODES)
         await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        stats = engine.stats.copy()
         started = time.monotonic()
         trajectories = await asyncio.gather(*(rollout(policy, q, db, RolloutConfig.for_shape(shape)) for q in questions))
         seconds = time.monotonic() - started
-    return {"seconds": seconds, "tokens": [json.dumps(t.messages(), sort_keys=True) for t in trajectories],
+        stats = engine.stats - stats
+    return {"seconds": seconds, "stats": stats, "tokens": [json.dumps(t.messages(), sort_keys=True) for t in trajectories],
             "generated": sum(t.metrics["completion_tokens"] for t in trajectories),
             "prompt_tokens": sum(t.metrics["prompt_tokens"] for t in trajectories),
             "correct": sum(t.metrics["answer_correct"] for t in trajectories)}
