@@ -230,6 +230,30 @@ def test_concurrent_requests_batch_without_changing_results(loop, served):
 
 
 @pytest.mark.slow
+def test_models_served_at_once_share_the_prefill_threads(loop, served, monkeypatch):
+    """Two models served in one process (an evaluation's contestants) never ask for more threads than cores."""
+    _, model = served
+    asked = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(engine.torch, "set_num_threads", lambda n: (asked.append(n), real(n)))
+    monkeypatch.setattr(engine, "PREFILL_THREADS", 2)
+
+    def prefill_threads(prompt: str) -> int:
+        asked.clear()
+        loop.run_until_complete(ask(model, [{"role": "user", "content": prompt}], temperature=0, max_tokens=1))
+        return max(asked)
+
+    alone = prefill_threads("Which room is the workshop in?")
+    other = engine.Worker(max_batch_size=1, name="second-model")
+    try:
+        shared = prefill_threads("Which day is the kickoff?")
+    finally:
+        other.close()
+        other.close()  # closing twice counts once
+    assert (alone, shared, prefill_threads("Who approved the budget?")) == (2, 1, 2)
+
+
+@pytest.mark.slow
 def test_follow_up_turn_reuses_cached_prefix_with_identical_results(loop, served):
     backend, model = served
     cache = backend.worker.prefix_cache
