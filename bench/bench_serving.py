@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -79,21 +80,31 @@ async def episode(client: openai.AsyncOpenAI, name: str, question, tool_results:
     return generated, prompt_tokens
 
 
+async def served_and_timed(checkpoint: str | None, play) -> tuple[object, float, collections.Counter]:
+    """Serve the base model (with `checkpoint`'s LoRA), warm it up, then time `play(client)`: (its result,
+    seconds, the engine's counters over that time)."""
+    async with serve_checkpoint("smollm2", checkpoint, "bench", max_batch_size=EPISODES) as base_url:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
+        await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2)  # warm-up
+        stats = engine.stats.copy()
+        started = time.monotonic()
+        result = await play(client)
+        return result, time.monotonic() - started, engine.stats - stats
+
+
 async def agent_episodes(checkpoint: str, db: EmailDB, questions) -> dict:
     """The evaluation's work: `rollout` of the checkpoint on each question, greedy, EPISODES at once."""
     from email_agent.episode import EpisodeShape
     from email_agent.rollout import Policy, RolloutConfig, rollout
 
     shape = EpisodeShape(max_turns=TURNS, max_tokens=MAX_TOKENS, max_body_chars=600, search_results=3)
-    async with serve_checkpoint("smollm2", checkpoint, "bench", max_batch_size=EPISODES) as base_url:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
+
+    def play(client):
         policy = Policy(client, "bench", temperature=0.0, max_tokens=shape.max_tokens, max_concurrency=EPISODES)
-        await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        stats = engine.stats.copy()
-        started = time.monotonic()
-        trajectories = await asyncio.gather(*(rollout(policy, q, db, RolloutConfig.for_shape(shape)) for q in questions))
-        seconds = time.monotonic() - started
-        stats = engine.stats - stats
+        return asyncio.gather(*(rollout(policy, q, db, RolloutConfig.for_shape(shape)) for q in questions))
+
+    trajectories, seconds, stats = await served_and_timed(checkpoint, play)
     return {"seconds": seconds, "stats": stats, "tokens": [json.dumps(t.messages(), sort_keys=True) for t in trajectories],
             "generated": sum(t.metrics["completion_tokens"] for t in trajectories),
             "prompt_tokens": sum(t.metrics["prompt_tokens"] for t in trajectories),
@@ -149,19 +160,11 @@ CONFIGURATIONS = {
 
 async def run(configuration, checkpoint: str | None, questions, scripts, agent: str | None, db: EmailDB) -> dict:
     _, lever = configuration
-    if agent:
-        with lever():
-            return await agent_episodes(agent, db, questions)
     with lever():
-        async with serve_checkpoint("smollm2", checkpoint, "bench", max_batch_size=EPISODES) as base_url:
-            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=3600)
-            await client.chat.completions.create(model="bench", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=2)  # warm-up
-            stats = engine.stats.copy()
-            started = time.monotonic()
-            episodes = await asyncio.gather(*(episode(client, "bench", q, s) for q, s in zip(questions, scripts)))
-            seconds = time.monotonic() - started
-            stats = engine.stats - stats
+        if agent:
+            return await agent_episodes(agent, db, questions)
+        episodes, seconds, stats = await served_and_timed(checkpoint, lambda client: asyncio.gather(
+            *(episode(client, "bench", q, s) for q, s in zip(questions, scripts))))
     tokens = [turn for generated, _ in episodes for turn in generated]
     return {"seconds": seconds, "tokens": tokens, "generated": sum(map(len, tokens)),
             "prompt_tokens": sum(p for _, p in episodes), "stats": stats}

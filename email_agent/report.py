@@ -169,12 +169,8 @@ def load_history(path) -> list[dict]:
 
 # ---------------------------------------------------------------- formatting
 
-def _scrub(text) -> str:
-    return redact(text)
-
-
 def _esc(text) -> str:
-    return html.escape(_scrub(text), quote=True)
+    return html.escape(redact(text), quote=True)
 
 
 def _pct(v) -> str:
@@ -243,7 +239,7 @@ PAIR_NOTE = ("Exact McNemar test on correctness over the questions both models p
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     def line(cells):
-        return "| " + " | ".join(_scrub(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+        return "| " + " | ".join(redact(c).replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
     return [line(header), "|" + "---|" * len(header)] + [line(r) for r in rows]
 
 
@@ -285,7 +281,7 @@ def _when_what(records: list[dict], summary: dict) -> str:
 
 
 def _markdown(title, records, summary, histories) -> str:
-    lines = [f"# {_scrub(title)}", "", _when_what(records, summary), "", "## Comparison", ""]
+    lines = [f"# {redact(title)}", "", _when_what(records, summary), "", "## Comparison", ""]
     lines += _md_table(*_comparison_rows(summary))
     lines += ["", NOTES, "", "## How each model played", ""] + _md_table(*_setup_rows(summary))
     if summary.get("pairs"):
@@ -295,7 +291,7 @@ def _markdown(title, records, summary, histories) -> str:
                   "and greedy validation on held-out train questions (val/*); phase \"warm start\" marks the "
                   "supervised steps before RL."]
         for label, rows in histories.items():
-            lines += ["", f"### {_scrub(label)}", ""] + _md_table(*_history_table(rows))
+            lines += ["", f"### {redact(label)}", ""] + _md_table(*_history_table(rows))
     return "\n".join(lines) + "\n"
 
 
@@ -406,7 +402,7 @@ def _pretty_args(arguments) -> str:
 
 def _message_html(m: dict) -> str:
     role = str(m.get("role", "?"))
-    text = _scrub(_content_text(m.get("content")))
+    text = redact(_content_text(m.get("content")))
     if role == "tool" and len(text) > TOOL_RESULT_LIMIT:
         text = text[:TOOL_RESULT_LIMIT] + f"\n… [truncated {len(text) - TOOL_RESULT_LIMIT:,} more characters]"
     body = [f"<pre>{_esc(text)}</pre>"] if text else []
