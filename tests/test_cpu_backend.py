@@ -143,9 +143,13 @@ def loop():
 
 @pytest.fixture(scope="module")
 def served(loop, tmp_path_factory):
-    backend = CPUBackend(path=str(tmp_path_factory.mktemp("served")), train_threads=1)
-    model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
-    loop.run_until_complete(model.register(backend))
+    """Served in float32, where batching, prefix reuse and speculation must not change a logprob; bfloat16 (the
+    default on CPUs with AMX) keeps the tokens but not the last digits (test_bfloat16_serving_...)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
+        backend = CPUBackend(path=str(tmp_path_factory.mktemp("served")), train_threads=1)
+        model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
+        loop.run_until_complete(model.register(backend))
     yield backend, model
     loop.run_until_complete(backend.close())
 
@@ -227,6 +231,27 @@ def test_concurrent_requests_batch_without_changing_results(loop, served):
     for a, b in zip(together, alone):
         assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.content, b.logprobs.content)) < 1e-3
+
+
+@pytest.mark.slow
+def test_bfloat16_serving_keeps_the_float32_greedy_tool_call(loop, served, monkeypatch):
+    """The same checkpoint served in bfloat16 (faster prefill, half the bytes per token) starts its answer to a tool
+    request with the float32 tokens (later ones may part at a near tie), with logprobs close to float32's."""
+    _, model = served
+    messages = [SYSTEM, QUESTION]
+    reference = loop.run_until_complete(ask(model, messages, tools=[SEARCH_TOOL], temperature=0, max_tokens=8))
+    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "bfloat16")
+
+    async def in_bfloat16():
+        async with serve_checkpoint("smollm2", None, "bf16") as base_url:
+            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
+            response = await client.chat.completions.create(model="bf16", messages=messages, tools=[SEARCH_TOOL],
+                                                            temperature=0, max_tokens=8, logprobs=True)
+            return response.choices[0]
+
+    fast = loop.run_until_complete(in_bfloat16())
+    assert [t.token for t in fast.logprobs.content] == [t.token for t in reference.logprobs.content]
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(fast.logprobs.content, reference.logprobs.content)) < 0.25
 
 
 @pytest.mark.slow
@@ -613,8 +638,11 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
 
 
 @pytest.mark.slow
-def test_trained_logprobs_are_those_of_one_pass_over_the_conversation(served):
-    """Shared prefix once, then untrained segments without gradient: the values must not change."""
+@pytest.mark.parametrize("dtype, atol, rtol", [("float32", 1e-4, 0.0), ("bfloat16", 0.1, 0.05)])
+def test_trained_logprobs_are_those_of_one_pass_over_the_conversation(served, monkeypatch, dtype, atol, rtol):
+    """Shared prefix once, the context without gradient (in the inference dtype), then all assistant turns of a
+    row at once: the values are those of one float32 pass (exactly in float32, to bfloat16's precision else)."""
+    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", dtype)
     backend, _ = served
     conversations = [[SYSTEM, {"role": "user", "content": question}, assistant_call({"keywords": [word]}),
                       {"role": "tool", "tool_call_id": "call_0", "content": f'[{{"subject": "{word} notes"}}]'},
@@ -626,6 +654,7 @@ def test_trained_logprobs_are_those_of_one_pass_over_the_conversation(served):
                                                          return_dict=True, return_assistant_tokens_mask=True)
         targets = torch.tensor([encoded["assistant_masks"][1:] + [0]], dtype=torch.bool)  # t scores t+1
         rows.append((torch.tensor([encoded["input_ids"]]), targets))
+    assert backend.trainer.context_model().dtype == getattr(torch, dtype)
     prefix = backend.trainer.shared_prefix(rows)
     assert prefix is not None
     length, _ = prefix
@@ -633,15 +662,17 @@ def test_trained_logprobs_are_those_of_one_pass_over_the_conversation(served):
     assert 100 < length <= first_trained  # the tool block and system text, nothing that is trained on
     assert rows[0][0][0, :length].equal(rows[1][0][0, :length])
     with torch.no_grad():
-        for tokens, targets in rows:
+        full, _ = backend.trainer.rows_logprobs(rows)
+        shared, _ = backend.trainer.rows_logprobs(rows, prefix)
+        for (tokens, targets), full_row, shared_row in zip(rows, full, shared):
             assert len(torch.unique_consecutive(targets[0])) == 5  # two trained turns between untrained text
             one_pass = torch.log_softmax(backend.trainer.peft(input_ids=tokens).logits[0, :-1].float(), -1)
             expected = (one_pass.gather(-1, tokens[0, 1:, None])[:, 0] * targets[0, :-1])[None]
             expected = torch.nn.functional.pad(expected, (0, 1))
-            full, _ = backend.trainer.target_logprobs(tokens, targets)
-            shared, _ = backend.trainer.target_logprobs(tokens, targets, prefix)
             assert targets.sum() > 10
-            assert torch.allclose(full, expected, atol=1e-4) and torch.allclose(shared, expected, atol=1e-4)
+            assert (full_row != 0).sum() == targets.sum()
+            assert torch.allclose(full_row, expected, atol=atol, rtol=rtol), (full_row - expected).abs().max()
+            assert torch.allclose(shared_row, expected, atol=atol, rtol=rtol), (shared_row - expected).abs().max()
     assert backend.trainer.shared_prefix(rows[:1]) is None  # one row: nothing to share
 
 
@@ -691,7 +722,7 @@ def test_close_frees_port_and_threads(loop, tmp_path):
         model = art.TrainableModel(name="agent", project="test", base_model="smollm2", report_metrics=[])
         await model.register(backend)
         port = urllib.parse.urlsplit(model.inference_base_url).port
-        pending = asyncio.ensure_future(ask(model, [QUESTION], max_tokens=200))
+        pending = asyncio.ensure_future(ask(model, [QUESTION], max_tokens=2000, extra_body={"ignore_eos": True}))
         await asyncio.sleep(1.0)  # mid-generation
         await backend.close()
         with pytest.raises(openai.APIError):

@@ -28,6 +28,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .model import inference_dtype
+
 # Intra-op threads. Decoding one token per row is bound by reading the weights and the cache and gains little
 # from a second thread, while the event loop (HTTP, templates, the rollouts' tools) needs the other core:
 # OpenMP threads that lose their core to another busy thread stall at every barrier, and small matmuls then
@@ -50,6 +52,7 @@ ACCEPTANCE_PRIOR, ACCEPTANCE_RATE = 0.5, 0.2  # each row's running estimate that
 # cache (~0.5 s at 8 rows of 1800 columns) and holes cost their share of attention (~0.1 s a step there), so
 # a quarter pays back in ~20 steps; rows that finish compact it anyway, most turns are shorter than that.
 HOLE_SHARE = 0.25
+
 # Decode forwards, their rows (row_forwards), the tokens those rows emitted, draft tokens proposed and accepted,
 # cache compactions: for benches and tests.
 stats: collections.Counter = collections.Counter()
@@ -111,7 +114,7 @@ class Worker:
     def serve(self, model, tokenizer) -> None:
         """Decode with `model` from now on (call it on the worker thread, through `call`)."""
         self.prefix_cache.clear()  # computed by the old weights
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer = model.to(inference_dtype()), tokenizer
         ids = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}
         eos = model.generation_config.eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos])
