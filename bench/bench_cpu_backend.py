@@ -16,7 +16,7 @@ stall at every barrier. The load average is printed for that reason.
 """
 
 import asyncio
-import itertools
+import copy
 import json
 import os
 import sys
@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from email_agent.backends.cpu import CPUBackend  # noqa: E402  (sets the offline litellm default first)
+from email_agent.backends.cpu.model import inference_dtype  # noqa: E402
 
 import art  # noqa: E402
 import openai  # noqa: E402
@@ -89,12 +90,13 @@ async def sample_trajectories(model, client) -> list[art.TrajectoryGroup]:
 def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
     """Forward+backward over the rows `train` will see, with the same LoRA and threads, two ways:
 
-    - "equal work": what the trainer computes, written with plain HF calls: the prompt prefix all rows share
-      run once without gradient, then each row's own tokens on top of it in segments, untrained ones without
-      gradient, logits only at assistant positions. Against it, `train`'s figure measures the trainer's overhead (ART's
-      tokenizer and loss, AdamW, the checkpoint).
-    - "plain transformers": the textbook loop (whole row, all logits). Against it, the speed-up that
-      the shared prefix and the gradient-free untrained segments buy.
+    - "equal work": what the trainer computes, written with plain HF calls: a merged copy of the weights in the
+      inference dtype (bfloat16 with AMX) runs the prompt prefix all rows share once, then each row's context,
+      without gradient; then each row's assistant positions in one float32 pass over that context, logits only
+      there. Against it, `train`'s figure measures the trainer's overhead (ART's tokenizer and loss, AdamW,
+      the checkpoint).
+    - "plain transformers": the textbook loop (whole row, float32, all logits). Against it, the speed-up that
+      the inference dtype, the gradient-free context and the batched assistant turns buy.
     Each returns (tokens, seconds); tokens count whole rows, as `train` does.
     """
     packed, _ = backend.trainer.pack(groups, {"scale_rewards": True}, step=0)
@@ -112,6 +114,7 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
             (-(picked * scored[:-1]).sum()).backward()
 
     def equal_work() -> None:
+        context = copy.deepcopy(peft).merge_and_unload().to(inference_dtype()).eval()
         # The longest common prefix of all rows that ends before the first scored position.
         first = rows[0][0][0]
         shared = min(int(scored.nonzero()[0]) for _, scored in rows)
@@ -119,21 +122,25 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
             differ = (tokens[0, :shared] != first[:shared]).nonzero()
             shared = int(differ[0]) if len(differ) else shared
         with torch.no_grad():
-            prefix = [(k, v) for k, v, _ in peft(input_ids=first[None, :shared], use_cache=True).past_key_values]
-        for tokens, scored in rows:  # untrained runs without gradient, trained runs with it, one cache
-            cache, begin, picked = DynamicCache(prefix), shared, []
-            for is_scored, run in itertools.groupby(scored[shared:].tolist()):
-                end = begin + len(list(run))
-                if is_scored:
-                    out = peft(input_ids=tokens[:, begin:end], past_key_values=cache, use_cache=True)
-                    logprobs = torch.log_softmax(out.logits[0].float(), -1)
-                    picked.append(logprobs.gather(-1, tokens[0, begin + 1:end + 1, None]).squeeze(-1))
-                else:
-                    with torch.no_grad():
-                        out = peft(input_ids=tokens[:, begin:end], past_key_values=cache, use_cache=True,
-                                   logits_to_keep=1)
-                cache, begin = out.past_key_values, end
-            (-torch.cat(picked).sum()).backward()
+            prefix = context(input_ids=first[None, :shared], use_cache=True).past_key_values
+        loss = 0.0
+        for tokens, scored in rows:
+            positions = scored.nonzero()[:, 0]
+            # Each scored run (assistant turn) sees the context before it begins and its own earlier positions.
+            run_of = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long), (positions.diff() > 1).long()]), 0)
+            begins = positions[torch.searchsorted(run_of, run_of, right=False)]
+            past = int(begins.max())
+            cache = DynamicCache([(layer.keys, layer.values) for layer in prefix.layers])
+            with torch.no_grad():
+                context(input_ids=tokens[:, shared:past], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = DynamicCache([(layer.keys.float(), layer.values.float()) for layer in cache.layers])
+            mask = torch.cat([torch.arange(past)[None, :] < begins[:, None],
+                              (run_of[:, None] == run_of[None, :]) & (positions[None, :] <= positions[:, None])], 1)
+            hidden = peft.get_base_model().model(input_ids=tokens[:, positions], attention_mask=mask[None, None],
+                                                 position_ids=positions[None], past_key_values=cache).last_hidden_state
+            logprobs = torch.log_softmax(peft.get_base_model().lm_head(hidden[0]).float(), -1)
+            loss = loss - logprobs.gather(-1, tokens[0, positions + 1, None]).sum()
+        loss.backward()
 
     timings = {}
     for name, loop in (("equal work", equal_work), ("plain transformers", plain)):

@@ -147,6 +147,20 @@ def without_speculation():
         engine.DRAFT_TOKENS = original
 
 
+@contextlib.contextmanager
+def in_float32():
+    """Weights, activations and the cache in float32 instead of the inference dtype (bfloat16 with AMX)."""
+    original = os.environ.get("EMAIL_AGENT_CPU_DTYPE")
+    os.environ["EMAIL_AGENT_CPU_DTYPE"] = "float32"
+    try:
+        yield
+    finally:
+        if original is None:
+            del os.environ["EMAIL_AGENT_CPU_DTYPE"]
+        else:
+            os.environ["EMAIL_AGENT_CPU_DTYPE"] = original
+
+
 # name -> context manager that switches one lever off (or an alternative on). The first one run is the
 # reference for greedy agreement.
 CONFIGURATIONS = {
@@ -155,6 +169,7 @@ CONFIGURATIONS = {
     "prefill-1-thread": ("prefill on 1 thread instead of 2", lambda: engine_threads(1, 1)),
     "decode-2-threads": ("decoding on 2 threads instead of 1", lambda: engine_threads(2, 2)),
     "no-speculation": ("no prompt-lookup speculation (one token per row and forward)", without_speculation),
+    "float32": ("float32 instead of bfloat16", in_float32),
 }
 
 

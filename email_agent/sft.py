@@ -121,7 +121,7 @@ def withheld(question: Question, db: EmailDB) -> Question | None:
 
 
 async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,
-                              abstain_share: float = 0.2, seed: int = 0) -> list[art.Trajectory]:
+                              abstain_share: float = 0.25, seed: int = 0) -> list[art.Trajectory]:
     """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
 
     Successful episodes, plus abstentions making up about `abstain_share` of the result: the expert's own

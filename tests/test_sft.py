@@ -33,14 +33,14 @@ def test_expert_solves_most_train_questions_and_never_test(demo_db):
 
 
 def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
-    """About a fifth of the expert's episodes end in "I don't know", each one after a search that never
+    """About a quarter of the expert's episodes end in "I don't know", each one after a search that never
     showed the gold email: the expert's own failures, or a question asked the day before its gold email
     was sent (withheld). The mix is shuffled, so a --sft-limit prefix keeps it."""
     train = qmod.select_questions(demo_db, "train", seed=0)
     config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
     trajs = asyncio.run(expert_trajectories(demo_db, train, config))
     idk = [t for t in trajs if t.metrics["returned_i_dont_know"]]
-    assert 0.15 <= len(idk) / len(trajs) <= 0.25
+    assert 0.2 <= len(idk) / len(trajs) <= 0.3
     assert len(idk) + sum(t.metrics["answer_correct"] for t in trajs) == len(trajs)  # nothing else: no wrong answers
     by_id = {q.id: q for q in train}
     withheld = [t for t in idk if t.metadata.get("withheld_gold")]
@@ -57,7 +57,7 @@ def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
         today = system.split("Today's date is ")[1][:10]
         assert today < gold.date[:10]
     first = trajs[:40]
-    assert 3 <= sum(t.metrics["returned_i_dont_know"] for t in first) <= 15
+    assert 5 <= sum(t.metrics["returned_i_dont_know"] for t in first) <= 17
 
 
 def record(qid, correct=1, sources=1, error=None, model="openai/o4-mini"):

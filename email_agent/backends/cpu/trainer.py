@@ -179,7 +179,7 @@ class Trainer:
                     chunk_loss = chunk_loss + art_loss_fn(inputs, logprobs, reference, None, dev_config,
                                                           reduction="sum").policy_loss
                 (chunk_loss / total).backward()
-                loss_sum += float(chunk_loss)
+                loss_sum += float(chunk_loss.detach())
                 entropy_sum += entropy
             grad_norm = self._optimizer_step(self.max_grad_norm)
         return {"loss": loss_sum / total, "grad_norm": grad_norm, "entropy": entropy_sum / total,
