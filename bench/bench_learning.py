@@ -38,12 +38,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--test-questions", type=int, default=100)
-    parser.add_argument("--sft-limit", type=int, default=96, help="warm-start episodes (0: all the expert's)")
-    parser.add_argument("--sft-epochs", type=int, default=2)
-    parser.add_argument("--rl-steps", type=int, default=4)
-    parser.add_argument("--rl-learning-rate", type=float, default=3e-4)
+    parser.add_argument("--sft-limit", type=int, default=0, help="warm-start episodes (0: all the expert's)")
+    parser.add_argument("--sft-epochs", type=int, default=1)
+    parser.add_argument("--rl-steps", type=int, default=16)
+    parser.add_argument("--rl-learning-rate", type=float, default=2e-4)
     parser.add_argument("--groups-per-step", type=int, default=4)
-    parser.add_argument("--eval-every", type=int, default=2, help="RL steps between validations")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
+    parser.add_argument("--eval-every", type=int, default=4, help="RL steps between validations")
     parser.add_argument("--concurrency", type=int, default=16, help="rollouts decoded as one batch (training and evaluation)")
     parser.add_argument("--cpu-train-threads", type=int, default=0,
                         help="training threads (default: all cores; 1 when other jobs share the machine)")
@@ -67,7 +69,8 @@ def main() -> None:
     sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", str(args.groups_per_step),
                       "--rollouts-per-group", "4", "--eval-every", str(args.eval_every),
-                      "--learning-rate", str(args.rl_learning_rate), "--concurrency", str(args.concurrency))
+                      "--learning-rate", str(args.rl_learning_rate), "--temperature", str(args.temperature),
+                      "--concurrency", str(args.concurrency))
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
                             *models, "--limit", str(args.test_questions), "--output", str(work / "report"),
