@@ -340,7 +340,10 @@ def _line_chart(metric: str, series: list[tuple[str, list[tuple[float, float]]]]
     if shade:
         x0, x1 = min(x0, shade[0]), max(x1, shade[1])
     y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
+    x1 = x1 if x1 > x0 else x0 + 1
+    if y1 == y0:  # a flat series: span it to 0, so a constant rate of 1.0 reads 0..1, not 1..2
+        y0, y1 = min(y0, 0.0), max(y0, 0.0)
+        y1 = y1 if y1 > y0 else y0 + 1
 
     def sx(s):
         return L + (s - x0) / (x1 - x0) * (W - L - R)

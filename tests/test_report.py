@@ -233,3 +233,13 @@ def test_redact_removes_keys_in_use_whatever_their_shape(monkeypatch):
     for secret in ("ant-key-0123456789", "hf_abcdefghij", "gk-given-secret", "abc.def", "sk-proj-0123456789"):
         assert secret not in shown
     assert shown.endswith("for model x") and shown.count("[redacted]") == 5
+
+
+def test_flat_learning_curve_spans_zero_not_one_above_its_value(tmp_path, records):
+    """A metric that never moved (validation accuracy 0.25 at every step, valid calls 1.0) is drawn against an
+    axis from 0, not from its value to its value + 1 (which read as a 125% accuracy)."""
+    rows = [{"step": 1, "val/reward": -0.2, "val/answer_correct": 0.25, "val/valid_tool_call_rate": 1.0},
+            {"step": 3, "val/reward": -0.2, "val/answer_correct": 0.25, "val/valid_tool_call_rate": 1.0}]
+    page = write_report(tmp_path, records, summarize(records), histories={"flat": rows})["html"].read_text()
+    axes = dict(re.findall(r'aria-label="([^"]+)">.*?text-anchor="end">([^<]+)</text>', page))
+    assert axes == {"val/reward": "0", "val/answer_correct": "0.25", "val/valid_tool_call_rate": "1"}
