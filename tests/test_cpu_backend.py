@@ -368,7 +368,7 @@ def test_greedy_verification_accepts_the_argmax_prefix_then_the_model_token():
 def test_sampled_verification_accepts_certain_drafts_and_never_emits_a_rejected_one():
     logits = torch.tensor([[4.0, 0.0, 0.0, -1.0], [0.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     temperature, top_p = 0.7, 0.5  # top_p keeps only the leading token of rows 0 and 1
-    logprobs = torch.log_softmax(logits / temperature, -1)  # what ART is given: temperature-scaled, unfiltered
+    logprobs = torch.log_softmax(logits, -1)  # what ART is given: the model's own (temperature 1), unfiltered
     for seed in range(20):
         generator = torch.Generator().manual_seed(seed)
         emitted = verify(logits, [0, 1], temperature, top_p, generator)

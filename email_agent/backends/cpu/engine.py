@@ -391,17 +391,18 @@ def verify(logits: torch.Tensor, draft: list[int], temperature: float, top_p: fl
     Greedy rows accept a draft token when it is the argmax, so they emit exactly the tokens of one-token
     decoding. Sampled rows run speculative sampling with a point-mass draft: draft token d is accepted with
     probability p(d); on rejection the token is drawn from p without d, renormalised, so every emitted token
-    is distributed as if drawn from p. Logprobs are under the temperature-scaled distribution, as ART expects.
+    is distributed as if drawn from p. Logprobs are the model's own (temperature 1), whatever the sampling
+    temperature, as vLLM returns them by default and as ART's trainer computes them: GRPO's importance ratio
+    compares the two, so logprobs at another temperature would bias every step sampled at it.
     """
     emitted = []
     for position, row_logits in enumerate(logits):
         proposed = draft[position] if position < len(draft) else None
+        logprobs = torch.log_softmax(row_logits, -1)
         if temperature == 0:
-            logprobs = torch.log_softmax(row_logits, -1)
             token = int(row_logits.argmax())
         else:
-            logprobs = torch.log_softmax(row_logits / temperature, -1)
-            probs = logprobs.exp()
+            probs = torch.softmax(row_logits / temperature, -1)
             if top_p < 1:
                 sorted_probs, order = probs.sort(descending=True)
                 outside = sorted_probs.cumsum(0) - sorted_probs > top_p
