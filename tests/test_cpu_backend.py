@@ -662,13 +662,13 @@ def test_trained_logprobs_are_those_of_one_pass_over_the_conversation(served, mo
     assert 100 < length <= first_trained  # the tool block and system text, nothing that is trained on
     assert rows[0][0][0, :length].equal(rows[1][0][0, :length])
     with torch.no_grad():
-        full, _ = backend.trainer.rows_logprobs(rows)
-        shared, _ = backend.trainer.rows_logprobs(rows, prefix)
-        for (tokens, targets), full_row, shared_row in zip(rows, full, shared):
+        for tokens, targets in rows:
             assert len(torch.unique_consecutive(targets[0])) == 5  # two trained turns between untrained text
             one_pass = torch.log_softmax(backend.trainer.peft(input_ids=tokens).logits[0, :-1].float(), -1)
             expected = (one_pass.gather(-1, tokens[0, 1:, None])[:, 0] * targets[0, :-1])[None]
             expected = torch.nn.functional.pad(expected, (0, 1))
+            full_row, _ = backend.trainer.target_logprobs(tokens, targets)
+            shared_row, _ = backend.trainer.target_logprobs(tokens, targets, prefix)
             assert targets.sum() > 10
             assert (full_row != 0).sum() == targets.sum()
             assert torch.allclose(full_row, expected, atol=atol, rtol=rtol), (full_row - expected).abs().max()

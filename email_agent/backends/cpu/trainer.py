@@ -2,10 +2,10 @@
 over one peft LoRA model with an AdamW optimizer.
 
 Owns turning trajectories into rows (`Trainer.pack`), the log-probabilities of trained tokens
-(`Trainer.rows_logprobs`: the context in the inference dtype through a merged copy, `Trainer.context_model`,
-with the prompt prefix all rows share computed once, `Trainer.shared_prefix`; each row's assistant turns in
-one float32 pass with gradient) and one optimizer step per call. It runs on whatever thread calls it (the engine's worker, in practice)
-and knows nothing of serving, checkpoint files or ART's Backend protocol (`backend`).
+(`Trainer.target_logprobs`: the context in the inference dtype through a merged copy, `Trainer.context_model`,
+with the prompt prefix all rows share computed once, `Trainer.shared_prefix`; a row's assistant turns in one
+float32 pass with gradient) and one optimizer step per call. It runs on whatever thread calls it (the engine's
+worker, in practice) and knows nothing of serving, checkpoint files or ART's Backend protocol (`backend`).
 """
 
 from __future__ import annotations
@@ -69,9 +69,6 @@ def _seeded_global_random(seed: int):
         random.setstate(state)
 
 
-ROWS_PER_PASS = 4  # rows per backward pass (a graph holds their activations at once)
-
-
 def _runs(targets: list[bool], start: int) -> list[tuple[int, int]]:
     """(begin, end) of each run of trained positions at or after `start`."""
     runs, begin = [], 0
@@ -81,11 +78,6 @@ def _runs(targets: list[bool], start: int) -> list[tuple[int, int]]:
             runs.append((max(begin, start), end))
         begin = end
     return runs
-
-
-def _chunks(items, size: int) -> list:
-    items = list(items)
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 class Trainer:
@@ -164,22 +156,18 @@ class Trainer:
                 for row, length in enumerate(lengths)]
         with self._training():
             prefix = self.shared_prefix(rows)
-            for chunk in _chunks(range(len(rows)), ROWS_PER_PASS):
+            for row, length in enumerate(lengths):
                 self._check_open()
-                new_logprobs, entropy = self.rows_logprobs([rows[row] for row in chunk], prefix)
-                references = [None] * len(chunk)
+                inputs = {key: value[row:row + 1, :length] for key, value in packed.items()
+                          if isinstance(value, torch.Tensor)}
+                new_logprobs, entropy = self.target_logprobs(*rows[row], prefix)
+                reference = None
                 if kl:
                     with torch.no_grad(), self.peft.disable_adapter():
-                        references, _ = self.rows_logprobs([rows[row] for row in chunk], None, context=False)
-                chunk_loss = 0.0
-                for row, logprobs, reference in zip(chunk, new_logprobs, references):
-                    length = lengths[row]
-                    inputs = {key: value[row:row + 1, :length] for key, value in packed.items()
-                              if isinstance(value, torch.Tensor)}
-                    chunk_loss = chunk_loss + art_loss_fn(inputs, logprobs, reference, None, dev_config,
-                                                          reduction="sum").policy_loss
-                (chunk_loss / total).backward()
-                loss_sum += float(chunk_loss.detach())
+                        reference, _ = self.target_logprobs(*rows[row], context=False)
+                loss = art_loss_fn(inputs, new_logprobs, reference, None, dev_config, reduction="sum")
+                (loss.policy_loss / total).backward()
+                loss_sum += loss.policy_loss.item()
                 entropy_sum += entropy
             grad_norm = self._optimizer_step(self.max_grad_norm)
         return {"loss": loss_sum / total, "grad_norm": grad_norm, "entropy": entropy_sum / total,
@@ -209,55 +197,50 @@ class Trainer:
             cache = self.context_model()(input_ids=first[None, :length], use_cache=True).past_key_values
         return length, [(k, v) for k, v, _ in cache]
 
-    def rows_logprobs(self, rows: Rows, prefix: Prefix | None = None, context: bool = True
-                      ) -> tuple[list[torch.Tensor], float]:
-        """For each row, [1, L] log-probs of token t+1 at each position t where its targets are set (0
-        elsewhere); plus the summed entropy at those positions.
+    def target_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor, prefix: Prefix | None = None,
+                        context: bool = True) -> tuple[torch.Tensor, float]:
+        """[1, L] log-probs of token t+1 at each position t where targets is set (0 elsewhere), plus the
+        summed entropy there.
 
-        Two passes per row. First the row runs, from the end of `prefix` (see `shared_prefix`) on, through
+        Two passes. First the row runs, from the end of `prefix` (see `shared_prefix`) on, through
         `context_model` without gradient, which gives the keys/values of every position. Then all its trained
         segments (runs of trained positions: the assistant turns) run at once, each position attending to the
         context before its own segment and to its segment's earlier positions; only this pass builds a graph,
         and it computes logits at trained positions alone (the 49k-wide LM head is a large part of a small
         model's cost). Untrained positions (the prompt, the question, tool results: ~90% of an agent's tokens)
-        so cost one forward in the inference dtype, and the assistant turns one forward and backward together.
-        The log-probs are those of one pass over the row (exactly, in float32); the gradient leaves out the
-        paths through the context's keys/values (a stop-gradient: each assistant turn is trained given what it
-        saw). `context=False` runs both passes through `peft` as it is (the reference pass of a KL penalty,
-        with its adapter disabled).
+        so cost one forward in the inference dtype, and the assistant turns one forward and backward together
+        instead of one each. The log-probs are those of one pass over the row (exactly, in float32); the
+        gradient leaves out the paths through the context's keys/values (a stop-gradient: each assistant turn
+        is trained given what it saw). `context=False` runs both passes through `peft` as it is (the reference
+        pass of a KL penalty, with its adapter disabled).
         """
+        segments = _runs(targets[0].tolist(), 0 if prefix is None else prefix[0])
+        if not segments:
+            return torch.zeros(1, tokens.shape[1]), 0.0
         context_model = self.context_model() if context else self.peft
+        start, layers = (0, []) if prefix is None else prefix
+        past = segments[-1][0]  # the context needed: every position before the last segment
+        cache = DynamicCache([(k.to(context_model.dtype), v.to(context_model.dtype)) for k, v in layers] or None)
+        if past > start:
+            with torch.no_grad():
+                context_model(input_ids=tokens[:, start:past], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1)
         trained_model = self.peft.get_base_model()
         dtype = next(trained_model.parameters()).dtype
-        start, layers = (0, []) if prefix is None else prefix
-        results, entropy = [], 0.0
-        for tokens, targets in rows:
-            segments = _runs(targets[0].tolist(), start)
-            if not segments:
-                results.append(torch.zeros(1, tokens.shape[1]))
-                continue
-            past = segments[-1][0]  # the context needed: every position before the last segment
-            cache = DynamicCache([(k.to(context_model.dtype), v.to(context_model.dtype)) for k, v in layers] or None)
-            if past > start:
-                with torch.no_grad():
-                    context_model(input_ids=tokens[:, start:past], past_key_values=cache, use_cache=True,
-                                  logits_to_keep=1)
-            cache = DynamicCache([(layer.keys.to(dtype), layer.values.to(dtype)) for layer in cache.layers] or None)
-            positions = torch.cat([torch.arange(begin, end) for begin, end in segments])
-            segment_of = torch.cat([torch.full((end - begin,), i) for i, (begin, end) in enumerate(segments)])
-            begins = torch.tensor([begin for begin, _ in segments])[segment_of]
-            # Position t (of segment s) sees the context before s begins, and s's own positions up to t.
-            sees_context = torch.arange(past)[None, :] < begins[:, None]
-            sees_own = (segment_of[:, None] == segment_of[None, :]) & (positions[None, :] <= positions[:, None])
-            mask = torch.cat([sees_context, sees_own], dim=1)[None, None]
-            hidden = trained_model.model(input_ids=tokens[:, positions], attention_mask=mask,
-                                         position_ids=positions[None], past_key_values=cache,
-                                         use_cache=True).last_hidden_state[0]
-            logprobs = torch.log_softmax(trained_model.lm_head(hidden).float(), -1)
-            picked = logprobs.gather(-1, tokens[0, positions + 1, None])[:, 0]
-            entropy += float(-(logprobs.exp() * logprobs).sum().detach())
-            results.append(torch.zeros(tokens.shape[1]).index_put((positions,), picked).unsqueeze(0))
-        return results, entropy
+        cache = DynamicCache([(layer.keys.to(dtype), layer.values.to(dtype)) for layer in cache.layers] or None)
+        positions = torch.cat([torch.arange(begin, end) for begin, end in segments])
+        segment_of = torch.cat([torch.full((end - begin,), i) for i, (begin, end) in enumerate(segments)])
+        begins = torch.tensor([begin for begin, _ in segments])[segment_of]
+        # Position t (of segment s) sees the context before s begins, and s's own positions up to t.
+        sees_context = torch.arange(past)[None, :] < begins[:, None]
+        sees_own = (segment_of[:, None] == segment_of[None, :]) & (positions[None, :] <= positions[:, None])
+        mask = torch.cat([sees_context, sees_own], dim=1)[None, None]
+        hidden = trained_model.model(input_ids=tokens[:, positions], attention_mask=mask, position_ids=positions[None],
+                                     past_key_values=cache, use_cache=True).last_hidden_state[0]
+        logprobs = torch.log_softmax(trained_model.lm_head(hidden).float(), -1)
+        picked = logprobs.gather(-1, tokens[0, positions + 1, None])[:, 0]
+        entropy = float(-(logprobs.exp() * logprobs).sum().detach())
+        return torch.zeros(tokens.shape[1]).index_put((positions,), picked).unsqueeze(0), entropy
 
     # -- SFT ---------------------------------------------------------------------------------------
 
@@ -281,10 +264,10 @@ class Trainer:
         loss_sum = 0.0
         with self._training():
             prefix = self.shared_prefix(examples)
-            for chunk in _chunks(examples, ROWS_PER_PASS):
+            for tokens, targets in examples:
                 self._check_open()
-                logprobs, _ = self.rows_logprobs(chunk, prefix)
-                loss = -sum(row.sum() for row in logprobs) / total
+                logprobs, _ = self.target_logprobs(tokens, targets, prefix)
+                loss = -logprobs.sum() / total
                 loss.backward()
                 loss_sum += loss.item()
             grad_norm = self._optimizer_step(1.0) if examples else 0.0
