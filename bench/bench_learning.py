@@ -42,10 +42,10 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--rl-steps", type=int, default=14)
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
-    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--groups-per-step", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
-    parser.add_argument("--eval-every", type=int, default=7, help="RL steps between validations")
+    parser.add_argument("--eval-every", type=int, default=14, help="RL steps between validations (and after the last)")
     parser.add_argument("--concurrency", type=int, default=16, help="rollouts decoded as one batch (training and evaluation)")
     parser.add_argument("--cpu-train-threads", type=int, default=0,
                         help="training threads (default: all cores; 1 when other jobs share the machine)")

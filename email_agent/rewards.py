@@ -237,14 +237,23 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
 # ----------------------------------------------------------------------------------------------
 
 def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
-    """ART·E's bands, with its dead 1/num_sources bonus made live and a small format penalty.
+    """ART·E's bands, with its dead 1/num_sources bonus made live, a small format penalty, and two steps that
+    keep GRPO from learning to stop answering.
 
       correct            1 + 0.3 sources_correct + 0.1/num_sources (precise citing) + 0.1 (1 - turns/max_turns)
-      I don't know/none  0 + partial credit
-      wrong answer       -1 + partial credit  (a hallucination costs more than admitting ignorance)
+      I don't know       0 + partial credit      when the right email never showed up: a sound abstention
+                         -0.5 + partial credit   when a search showed it or the agent read it: the answer was there
+      out of turns       -0.5 + partial credit   (no decision made; an episode the policy's API ended scores as
+                                                 a sound abstention: not the policy's doing)
+      wrong answer       -1 + partial credit     (a hallucination costs more than admitting ignorance)
       partial credit     +0.1 each: found the right email in a search, read it, cited it      (<= 0.3)
       every branch       -0.1 per bad call (unknown tool, bad arguments, no tool call, extra calls), at most -0.5
-    So a correct answer scores in [0.5, 1.5], "I don't know" in [-0.5, 0.3], a wrong one in [-1.5, -0.7].
+    So a correct answer scores in [0.5, 1.5] and a wrong one in [-1.5, -0.7]; "I don't know" is always 0.5 above
+    a wrong answer with the same partial credit and penalties, and a sound one, in [-0.5, 0], above any wrong one.
+    Why the steps: a 135M model is wrong on most attempts, so when not answering, or abstaining after reading
+    the answer, scored like a sound abstention, GRPO learned exactly that instead of reading the email right
+    (bench_learning runs G and H). This is the same line the warm start draws: its abstentions are episodes
+    where the search never found the email.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
     if r.answer_correct:
@@ -253,6 +262,9 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
     partial = 0.1 * (r.ever_found_right_email + r.ever_read_right_email + r.sources_correct)
     if r.attempted_answer:
         return -1 + partial - penalty
+    answer_was_there = r.returned_i_dont_know and (r.ever_found_right_email or r.ever_read_right_email)
+    if r.ran_out_of_turns or answer_was_there:
+        return -0.5 + partial - penalty
     return partial - penalty
 
 

@@ -58,7 +58,7 @@ def record(db, qs, plays, logprobs=True):
 def test_untrained_policy_cannot_learn(demo_db, qs):
     h = preflight.measure(record(demo_db, qs, ["chatty", "chatty"]), gather_s=12.0)
     assert (h.groups, h.rollouts, h.trainable_groups, h.valid_call_rate) == (4, 8, 0, 0.0)
-    assert h.no_answer == 1.0 and h.mean_reward == pytest.approx(-0.2) and h.turns_without_logprobs == 0.0
+    assert h.no_answer == 1.0 and h.mean_reward == pytest.approx(-0.5 - 0.2) and h.turns_without_logprobs == 0.0
     verdict = preflight.diagnose(h, reward_mode="offline")
     assert not verdict.ok and verdict.headline.startswith("cannot learn: no valid tool calls")
     assert "--sft-from demo-expert" in verdict.headline

@@ -98,7 +98,7 @@ def test_max_turns_exhaustion(demo_db, q):
     script = {q.question: [call("search_inbox", {"keywords": ["zebra"]})] * 3}
     (traj,), _ = run(play(demo_db, script, [q], RolloutConfig(max_turns=3)))
     assert (traj.metrics["ran_out_of_turns"], traj.metrics["num_turns"], traj.metrics["attempted_answer"]) == (1, 3, 0)
-    assert traj.reward == 0.0 and traj.metadata["answer"] is None
+    assert traj.reward == -0.5 and traj.metadata["answer"] is None  # below "I don't know": no decision made
 
 
 def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
@@ -142,18 +142,30 @@ def test_concurrent_rollouts(demo_db):
 
 
 def test_reward_ordering_holds_everywhere():
-    """correct > "I don't know" > wrong, whatever the partial credit and penalties."""
+    """correct > "I don't know" > wrong with the same partial credit and penalties; a sound abstention (the right
+    email never showed up) beats every wrong answer; running out of turns, or abstaining with the answer in
+    view, sits below a sound abstention."""
     import itertools
 
-    worst_correct, best_idk, worst_idk, best_wrong = 9, -9, 9, -9
+    worst_correct, best_idk, best_wrong, worst_sound_idk = 9, -9, -9, 9
     for found, read, cited, bad, turns in itertools.product((0, 1), (0, 1), (0, 1), (0, 3, 9), (1, 10)):
         base = dict(ever_found_right_email=found, ever_read_right_email=read, sources_correct=cited,
                     bad_tool_args=bad, num_turns=turns)
         worst_correct = min(worst_correct, shaped_reward(Rubric(answer_correct=1, attempted_answer=1, **base), 10, 1))
         idk = shaped_reward(Rubric(returned_i_dont_know=1, **base), 10, 1)
-        best_idk, worst_idk = max(best_idk, idk), min(worst_idk, idk)
-        best_wrong = max(best_wrong, shaped_reward(Rubric(attempted_answer=1, hallucinated=1, **base), 10, 1))
-    assert worst_correct > best_idk and worst_idk > best_wrong
+        wrong = shaped_reward(Rubric(attempted_answer=1, hallucinated=1, **base), 10, 1)
+        best_idk, best_wrong = max(best_idk, idk), max(best_wrong, wrong)
+        assert idk > wrong
+        if not cited:  # citing needs an answer
+            out_of_turns = shaped_reward(Rubric(ran_out_of_turns=1, **base), 10, 1)
+            api_ended = shaped_reward(Rubric(api_errors=1, **base), 10, 1)
+            assert api_ended > out_of_turns > wrong  # the server's failure is not the policy's decision
+            if not found and not read:
+                worst_sound_idk = min(worst_sound_idk, idk)
+                assert idk == api_ended > out_of_turns
+            else:
+                assert idk == out_of_turns  # the answer was in view
+    assert worst_correct > best_idk and worst_sound_idk > best_wrong
 
 
 @needs_enron
