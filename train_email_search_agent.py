@@ -162,6 +162,7 @@ class TrainConfig:
     num_epochs: int = 3  # passes over the training questions
     max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
     learning_rate: float = 1.2e-5
+    advantage_balance: float = 0.0  # ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)
     max_turns: int = EpisodeShape.max_turns  # agent turns per question
     max_tokens: int = EpisodeShape.max_tokens  # tokens per model reply
     max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies
@@ -397,7 +398,8 @@ async def train(cfg: TrainConfig) -> None:
             if batch.step == 0:  # a fresh run says at once whether it can learn
                 verdict = say_whether_it_can_learn(cfg, health, reward_mode, False)
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
-            result = await backend.train(model, groups, learning_rate=cfg.learning_rate)
+            result = await backend.train(model, groups, learning_rate=cfg.learning_rate,
+                                         advantage_balance=cfg.advantage_balance)
             learned = preflight.step_metrics(health, groups, result.metrics)
             await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
@@ -447,6 +449,8 @@ def train_command(args) -> None:
     cfg = config_from_args(args)
     if cfg.keep_checkpoints not in ("best", "all"):
         raise DataError("--keep-checkpoints is best or all")
+    if not -1 <= cfg.advantage_balance <= 1:
+        raise DataError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
                 "sft_batch_size", "max_turns", "max_tokens"):
         if getattr(cfg, key) < 1:

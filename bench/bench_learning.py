@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--sft-epochs", type=int, default=1)
     parser.add_argument("--rl-steps", type=int, default=14)
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
+    parser.add_argument("--advantage-balance", type=float, default=0.5,
+                        help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
     parser.add_argument("--groups-per-step", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
@@ -69,7 +71,7 @@ def main() -> None:
     sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
     times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", str(args.groups_per_step),
                       "--rollouts-per-group", "4", "--eval-every", str(args.eval_every),
-                      "--learning-rate", str(args.rl_learning_rate), "--temperature", str(args.temperature),
+                      "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
                       "--concurrency", str(args.concurrency))
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
