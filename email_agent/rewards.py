@@ -252,7 +252,7 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
     a wrong answer with the same partial credit and penalties, and a sound one, in [-0.5, 0], above any wrong one.
     Why the steps: a 135M model is wrong on most attempts, so when not answering, or abstaining after reading
     the answer, scored like a sound abstention, GRPO learned exactly that instead of reading the email right
-    (bench_learning runs G and H). This is the same line the warm start draws: its abstentions are episodes
+    (bench_learning runs G, H and I). This is the same line the warm start draws: its abstentions are episodes
     where the search never found the email.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
