@@ -233,7 +233,7 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
 
 
 # ----------------------------------------------------------------------------------------------
-# Reward formulas  (the place to tune: keep correct > "I don't know" > wrong in every case)
+# Reward formulas  (the place to tune: keep correct > "I don't know" > wrong, tests/test_rollout.py pins it)
 # ----------------------------------------------------------------------------------------------
 
 def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
@@ -250,10 +250,11 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
       every branch       -0.1 per bad call (unknown tool, bad arguments, no tool call, extra calls), at most -0.5
     So a correct answer scores in [0.5, 1.5] and a wrong one in [-1.5, -0.7]; "I don't know" is always 0.5 above
     a wrong answer with the same partial credit and penalties, and a sound one, in [-0.5, 0], above any wrong one.
-    Why the steps: a 135M model is wrong on most attempts, so when not answering, or abstaining after reading
-    the answer, scored like a sound abstention, GRPO learned exactly that instead of reading the email right
-    (bench_learning runs G, H and I). This is the same line the warm start draws: its abstentions are episodes
-    where the search never found the email.
+    Why the steps: a 135M model is wrong on most attempts, so when running out of turns scored like a sound
+    abstention GRPO learned to run out of turns (bench_learning run G), and when abstaining after reading the
+    answer did, it learned that (run H). It still abstains more with the steps (run I); halving negative
+    advantages (`--advantage-balance 0.5`, run J) keeps more of the right answers. The line is the warm start's
+    own: its abstentions are episodes where the search never found the email.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
     if r.answer_correct:
