@@ -214,11 +214,11 @@ class Trainer:
         is trained given what it saw). `context=False` runs both passes through `peft` as it is (the reference
         pass of a KL penalty, with its adapter disabled).
         """
-        segments = _runs(targets[0].tolist(), 0 if prefix is None else prefix[0])
+        start, layers = (0, []) if prefix is None else prefix
+        segments = _runs(targets[0].tolist(), start)
         if not segments:
             return torch.zeros(1, tokens.shape[1]), 0.0
         context_model = self.context_model() if context else self.peft
-        start, layers = (0, []) if prefix is None else prefix
         past = segments[-1][0]  # the context needed: every position before the last segment
         cache = DynamicCache([(k.to(context_model.dtype), v.to(context_model.dtype)) for k, v in layers] or None)
         if past > start:
