@@ -163,6 +163,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
     learning_rate: float = 1.2e-5
     advantage_balance: float = 0.0  # ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)
+    scale_rewards: bool = True  # divide each group's advantages by its reward std (ART's default); off: Dr. GRPO
     max_turns: int = EpisodeShape.max_turns  # agent turns per question
     max_tokens: int = EpisodeShape.max_tokens  # tokens per model reply
     max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies
@@ -399,7 +400,7 @@ async def train(cfg: TrainConfig) -> None:
                 verdict = say_whether_it_can_learn(cfg, health, reward_mode, False)
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
             result = await backend.train(model, groups, learning_rate=cfg.learning_rate,
-                                         advantage_balance=cfg.advantage_balance)
+                                         advantage_balance=cfg.advantage_balance, scale_rewards=cfg.scale_rewards)
             learned = preflight.step_metrics(health, groups, result.metrics)
             await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on

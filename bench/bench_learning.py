@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
+    parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=True,
+                        help="divide advantages by each group's reward std (ART's default; --no-scale-rewards: Dr. GRPO)")
     parser.add_argument("--groups-per-step", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
@@ -72,7 +74,7 @@ def main() -> None:
     times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", str(args.groups_per_step),
                       "--rollouts-per-group", "4", "--eval-every", str(args.eval_every),
                       "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", str(args.advantage_balance),
-                      "--temperature", str(args.temperature),
+                      "--temperature", str(args.temperature), "--scale-rewards" if args.scale_rewards else "--no-scale-rewards",
                       "--concurrency", str(args.concurrency))
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
