@@ -44,8 +44,8 @@ def main() -> None:
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
-    parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=True,
-                        help="divide advantages by each group's reward std (ART's default; --no-scale-rewards: Dr. GRPO)")
+    parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=False,
+                        help="divide advantages by each group's reward std (ART's default; run J); off: Dr. GRPO (run K)")
     parser.add_argument("--groups-per-step", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="rollouts decoded as one batch (training and evaluation)")
     parser.add_argument("--cpu-train-threads", type=int, default=0,
                         help="training threads (default: all cores; 1 when other jobs share the machine)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="training seed: validation split, warm-start order, LoRA init, sampling (test questions stay)")
     parser.add_argument("--with-base", action="store_true", help="evaluate the untrained base model too (0%% so far)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
@@ -64,7 +66,7 @@ def main() -> None:
     train = ["train_email_search_agent.py", "train", "--demo", "--db", str(db), "--art-dir", str(art_dir),
              "--name", "learn", "--keep-checkpoints", "all", "--val-size", "16", *shape,
              "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs),
-             "--cpu-train-threads", str(args.cpu_train_threads)]
+             "--cpu-train-threads", str(args.cpu_train_threads), "--seed", str(args.seed)]
     times = {}
     started = time.perf_counter()
     times["build"] = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")
