@@ -253,8 +253,11 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
     Why the steps: a 135M model is wrong on most attempts, so when running out of turns scored like a sound
     abstention GRPO learned to run out of turns (bench_learning run G), and when abstaining after reading the
     answer did, it learned that (run H). It still abstains more with the steps (run I); halving negative
-    advantages (`--advantage-balance 0.5`, run J) keeps more of the right answers. The line is the warm start's
-    own: its abstentions are episodes where the search never found the email.
+    advantages (`--advantage-balance 0.5`, run J) keeps more of the right answers. Those runs divided each
+    group's advantages by its reward std, so "I don't know" 0.5 above a wrong answer pushed as hard as a right
+    answer 2 above it; without that (`--no-scale-rewards`, run K) the gaps' sizes count, GRPO raised accuracy
+    and dropped abstention. The line is the warm start's own: its abstentions are episodes where the search
+    never found the email.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
     if r.answer_correct:

@@ -25,6 +25,7 @@ import art  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from art._backend_training import build_rl_train_configs  # noqa: E402
 from art.preprocessing.tokenize import tokenize_trajectory_groups  # noqa: E402
 from openai.types.chat.chat_completion import Choice  # noqa: E402
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
@@ -605,6 +606,25 @@ def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
                          '\n<|im_start|>assistant\nFriday.<|im_end|>')
     trained = [t for t, m in zip(result.token_ids, result.assistant_mask) if m]
     assert trained == ids + tokenizer.encode("Friday.", add_special_tokens=False) + ids[-1:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scale_rewards, advantage", [(True, 1.0), (False, 1.5)])
+def test_grpo_advantage_is_divided_by_the_group_std_only_with_scale_rewards(served, scale_rewards, advantage):
+    backend, _ = served
+    tokenizer = backend.trainer.tokenizer
+    ids = tokenizer.encode("Friday.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    answer = Choice.model_validate({
+        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Friday."},
+        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
+                                 for i in ids]}})
+    right = art.Trajectory(messages_and_choices=[SYSTEM, QUESTION, answer], reward=3.0)
+    group = art.TrajectoryGroup([right, right.model_copy(update={"reward": 0.0})])  # mean 1.5, std 1.5
+    _, dev_config = build_rl_train_configs(learning_rate=1e-4, scale_rewards=scale_rewards)
+    packed, trained = backend.trainer.pack([group], dev_config, step=0)
+    assert trained == 2
+    advantages = packed["advantages"][packed["assistant_mask"].bool()]
+    assert sorted({round(a, 4) for a in advantages.tolist()}) == [-advantage, advantage]
 
 
 @pytest.mark.slow
