@@ -609,8 +609,10 @@ def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scale_rewards, advantage", [(True, 1.0), (False, 1.5)])
-def test_grpo_advantage_is_divided_by_the_group_std_only_with_scale_rewards(served, scale_rewards, advantage):
+@pytest.mark.parametrize("scale_rewards, advantages", [(True, [1.0]), (False, [0.5, 1.5])])
+def test_grpo_advantage_is_divided_by_the_group_std_only_with_scale_rewards(served, scale_rewards, advantages):
+    """ART scales the whole batch's advantages to a mean magnitude of 1 either way; scale_rewards decides whether
+    each group is first divided by its own std (a 3-vs-0 group then weighs as much as a 1-vs-0 one) or not."""
     backend, _ = served
     tokenizer = backend.trainer.tokenizer
     ids = tokenizer.encode("Friday.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
@@ -618,13 +620,14 @@ def test_grpo_advantage_is_divided_by_the_group_std_only_with_scale_rewards(serv
         "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Friday."},
         "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
                                  for i in ids]}})
-    right = art.Trajectory(messages_and_choices=[SYSTEM, QUESTION, answer], reward=3.0)
-    group = art.TrajectoryGroup([right, right.model_copy(update={"reward": 0.0})])  # mean 1.5, std 1.5
+    episode = art.Trajectory(messages_and_choices=[SYSTEM, QUESTION, answer], reward=0.0)
+    groups = [art.TrajectoryGroup([episode.model_copy(update={"reward": high}), episode]) for high in (3.0, 1.0)]
     _, dev_config = build_rl_train_configs(learning_rate=1e-4, scale_rewards=scale_rewards)
-    packed, trained = backend.trainer.pack([group], dev_config, step=0)
-    assert trained == 2
-    advantages = packed["advantages"][packed["assistant_mask"].bool()]
-    assert sorted({round(a, 4) for a in advantages.tolist()}) == [-advantage, advantage]
+    packed, trained = backend.trainer.pack(groups, dev_config, step=0)
+    assert trained == 4
+    per_token = packed["advantages"][packed["assistant_mask"].bool()].tolist()
+    assert sorted({round(abs(a), 4) for a in per_token}) == advantages
+    assert round(sum(per_token), 4) == 0  # each group's advantages still sum to zero
 
 
 @pytest.mark.slow
