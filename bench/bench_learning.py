@@ -76,7 +76,8 @@ def main() -> None:
     times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", str(args.groups_per_step),
                       "--rollouts-per-group", "4", "--eval-every", str(args.eval_every),
                       "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", str(args.advantage_balance),
-                      "--temperature", str(args.temperature), "--scale-rewards" if args.scale_rewards else "--no-scale-rewards",
+                      "--temperature", str(args.temperature),
+                      "--scale-rewards" if args.scale_rewards else "--no-scale-rewards",
                       "--concurrency", str(args.concurrency))
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
