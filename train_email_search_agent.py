@@ -204,8 +204,7 @@ class TrainConfig:
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, groups_per_step=2, rollouts_per_group=4, num_epochs=1, max_steps=6,
                    learning_rate=1e-4, advantage_balance=0.5, temperature=0.7, max_turns=4, max_tokens=64,
-                   max_body_chars=600, search_results=3,
-                   eval_every=2, val_size=8, concurrency=8)
+                   max_body_chars=600, search_results=3, eval_every=2, val_size=8, concurrency=8)
 
 
 def run_dir(cfg: TrainConfig) -> Path:

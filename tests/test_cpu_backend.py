@@ -576,6 +576,14 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
                for a, b in zip(optimizer["state"].values(), resumed_optimizer["state"].values()))
 
 
+def sampled_choice(message: dict, token_ids: list[int], finish_reason: str = "stop") -> Choice:
+    """A Choice as the engine returns it: the message and one logprob per sampled token id."""
+    return Choice.model_validate({
+        "index": 0, "finish_reason": finish_reason, "message": {"role": "assistant", **message},
+        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
+                                 for i in token_ids]}})
+
+
 @pytest.mark.slow
 def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
     backend, _ = served
@@ -583,15 +591,8 @@ def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
     call_text = '<tool_call>\n{"name": "search_emails", "arguments": {"keywords": ["budget"]}}\n</tool_call>'
     ids = tokenizer.encode(call_text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     _, calls = parse_tool_calls(call_text)
-    choice = Choice.model_validate({
-        "index": 0, "finish_reason": "tool_calls",
-        "message": {"role": "assistant", "content": None, "tool_calls": calls},
-        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
-                                 for i in ids]}})
-    answer = Choice.model_validate({
-        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Friday."},
-        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
-                                 for i in tokenizer.encode("Friday.", add_special_tokens=False) + ids[-1:]]}})
+    choice = sampled_choice({"content": None, "tool_calls": calls}, ids, "tool_calls")
+    answer = sampled_choice({"content": "Friday."}, tokenizer.encode("Friday.", add_special_tokens=False) + ids[-1:])
     trajectory = art.Trajectory(messages_and_choices=[
         SYSTEM, QUESTION, choice, {"role": "tool", "tool_call_id": "call_0", "content": "[]"}, answer],
         tools=[SEARCH_TOOL], reward=1.0)
@@ -616,10 +617,7 @@ def test_grpo_advantage_is_divided_by_the_group_std_only_with_scale_rewards(serv
     backend, _ = served
     tokenizer = backend.trainer.tokenizer
     ids = tokenizer.encode("Friday.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    answer = Choice.model_validate({
-        "index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Friday."},
-        "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
-                                 for i in ids]}})
+    answer = sampled_choice({"content": "Friday."}, ids)
     episode = art.Trajectory(messages_and_choices=[SYSTEM, QUESTION, answer], reward=0.0)
     groups = [art.TrajectoryGroup([episode.model_copy(update={"reward": high}), episode]) for high in (3.0, 1.0)]
     _, dev_config = build_rl_train_configs(learning_rate=1e-4, scale_rewards=scale_rewards)

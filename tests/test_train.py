@@ -178,8 +178,9 @@ def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capf
         monkeypatch.setattr(backends, "make_backend", fake_make_backend)
         cfg = cli.TrainConfig(name="gpu", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=4,
                               groups_per_step=2, rollouts_per_group=2, max_steps=2, eval_every=1,
-                              learning_rate=3e-6, advantage_balance=0.5, scale_rewards=False, gpu_memory_utilization=0.6, enforce_eager=True,
-                              max_num_seqs=16, max_seq_length=4096, lora_rank=16, lora_alpha=32)
+                              learning_rate=3e-6, advantage_balance=0.5, scale_rewards=False,
+                              gpu_memory_utilization=0.6, enforce_eager=True, max_num_seqs=16, max_seq_length=4096,
+                              lora_rank=16, lora_alpha=32)
         asyncio.run(cli.train(cfg))
     backend = made["backend"]
     assert backend.kwargs == {"name": "local"} and backend.closed
