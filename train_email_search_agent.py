@@ -176,6 +176,7 @@ class TrainConfig:
     judge_model: str = ""  # litellm model name of the judge (or JUDGE_MODEL)
     judge_base_url: str = ""  # api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE)
     ruler_model: str = ""  # judge for --reward ruler (default: the judge model)
+    hallucination_penalty: float = 1.0  # what a wrong answer costs (offline/shaped); higher: answers only when surer
     # warm start (supervised, before RL)
     sft_from: str = ""  # demo-expert, or an evaluation folder of a teacher model (its judged-correct episodes)
     sft_only: bool = False  # stop after the warm start
@@ -324,7 +325,8 @@ async def train(cfg: TrainConfig) -> None:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
-    rollout_config = RolloutConfig.for_shape(EpisodeShape.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge)
+    rollout_config = RolloutConfig.for_shape(EpisodeShape.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge,
+                                             hallucination_penalty=cfg.hallucination_penalty)
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
@@ -454,6 +456,8 @@ def train_command(args) -> None:
         raise DataError("--keep-checkpoints is best or all")
     if not -1 <= cfg.advantage_balance <= 1:
         raise DataError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
+    if cfg.hallucination_penalty < 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
+        raise DataError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
                 "sft_batch_size", "max_turns", "max_tokens"):
         if getattr(cfg, key) < 1:

@@ -46,6 +46,8 @@ def main() -> None:
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
     parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=False,
                         help="divide advantages by each group's reward std (ART's default; run J); off: Dr. GRPO (run K)")
+    parser.add_argument("--hallucination-penalty", type=float, default=1.0,
+                        help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
     parser.add_argument("--groups-per-step", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
@@ -78,6 +80,7 @@ def main() -> None:
                       "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", str(args.advantage_balance),
                       "--temperature", str(args.temperature),
                       "--scale-rewards" if args.scale_rewards else "--no-scale-rewards",
+                      "--hallucination-penalty", str(args.hallucination_penalty),
                       "--concurrency", str(args.concurrency))
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),

@@ -236,7 +236,7 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
 # Reward formulas  (the place to tune: keep correct > "I don't know" > wrong, tests/test_rollout.py pins it)
 # ----------------------------------------------------------------------------------------------
 
-def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
+def shaped_reward(r: Rubric, max_turns: int, num_sources: int, hallucination_penalty: float = 1.0) -> float:
     """ART·E's bands, with its dead 1/num_sources bonus made live, a small format penalty, and two steps that
     keep GRPO from learning to stop answering.
 
@@ -245,11 +245,15 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
                          -0.5 + partial credit   when a search showed it or the agent read it: the answer was there
       out of turns       -0.5 + partial credit   (no decision made; an episode the policy's API ended scores as
                                                  a sound abstention: not the policy's doing)
-      wrong answer       -1 + partial credit     (a hallucination costs more than admitting ignorance)
+      wrong answer       -hallucination_penalty + partial credit  (>= 1; 1 as in ART·E)
       partial credit     +0.1 each: found the right email in a search, read it, cited it      (<= 0.3)
       every branch       -0.1 per bad call (unknown tool, bad arguments, no tool call, extra calls), at most -0.5
-    So a correct answer scores in [0.5, 1.5] and a wrong one in [-1.5, -0.7]; "I don't know" is always 0.5 above
-    a wrong answer with the same partial credit and penalties, and a sound one, in [-0.5, 0], above any wrong one.
+    So a correct answer scores in [0.5, 1.5] and, at the default penalty, a wrong one in [-1.5, -0.7]; "I don't
+    know" is always hallucination_penalty - 0.5 above a wrong answer with the same partial credit and penalties,
+    and a sound one, in [-0.5, 0], above any wrong one.
+    The penalty sets how sure an agent must be to answer: after reading and citing the right email an answer
+    beats "I don't know" (-0.3 there) in expectation when it is right with p > (penalty - 0.5) / (penalty + 1.2)
+    or so: 0.23 at 1, 0.46 at 2.
     Why the steps: a 135M model is wrong on most attempts, so when running out of turns scored like a sound
     abstention GRPO learned to run out of turns (bench_learning run G), and when abstaining after reading the
     answer did, it learned that (run H). It still abstains more with the steps (run I); halving negative
@@ -265,18 +269,18 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int) -> float:
         return 1 + 0.3 * r.sources_correct + precision + 0.1 * (1 - r.num_turns / max_turns) - penalty
     partial = 0.1 * (r.ever_found_right_email + r.ever_read_right_email + r.sources_correct)
     if r.attempted_answer:
-        return -1 + partial - penalty
+        return -hallucination_penalty + partial - penalty
     answer_was_there = r.returned_i_dont_know and (r.ever_found_right_email or r.ever_read_right_email)
     if r.ran_out_of_turns or answer_was_there:
         return -0.5 + partial - penalty
     return partial - penalty
 
 
-def reward(mode: str, r: Rubric, max_turns: int, num_sources: int) -> float:
+def reward(mode: str, r: Rubric, max_turns: int, num_sources: int, hallucination_penalty: float = 1.0) -> float:
     if mode == "judge":
         return float(r.answer_correct)
     # "ruler" trajectories keep the shaped value as their independent reward until RULER rescales the group.
-    return shaped_reward(r, max_turns, num_sources)
+    return shaped_reward(r, max_turns, num_sources, hallucination_penalty)
 
 
 async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None = None, attempts: int = 2):

@@ -83,6 +83,7 @@ class RolloutConfig:
     search_results: int = EpisodeShape.search_results  # results per search when the model does not ask for a number
     reward: str = "offline"  # see rewards.REWARD_MODES
     judge: rewards.LLMJudge | None = None
+    hallucination_penalty: float = 1.0  # what a wrong answer costs in the shaped reward (rewards.shaped_reward)
 
     @classmethod
     def for_shape(cls, shape: EpisodeShape, **kwargs) -> "RolloutConfig":
@@ -170,7 +171,7 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
     if answer is None and error is None and rubric.num_turns >= config.max_turns:
         rubric.ran_out_of_turns = 1
     verdict = await grade(rubric, question, answer, sources, config)
-    traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources))
+    traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources), config.hallucination_penalty)
     traj.metrics = asdict(rubric)
     traj.metadata.update({"answer": answer, "sources": json.dumps(sources), "error": error,
                           "verdict_judge": verdict.judge if verdict else None,
