@@ -46,6 +46,8 @@ def main() -> None:
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
     parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=False,
                         help="divide advantages by each group's reward std (ART's default; run J); off: Dr. GRPO (run K)")
+    parser.add_argument("--scaled-steps", type=int, default=0,
+                        help="end with this many of the --rl-steps std-scaled (ART's default), after the others")
     parser.add_argument("--hallucination-penalty", type=float, default=1.0,
                         help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
     parser.add_argument("--groups-per-step", type=int, default=6)
@@ -75,13 +77,15 @@ def main() -> None:
     times["sft"] = run("warm start", *train, "--fresh", "--sft-only")
     run_dir = art_dir / "email-agent" / "models" / "learn"
     sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
-    times["rl"] = run("GRPO", *train, "--max-steps", str(args.rl_steps), "--groups-per-step", str(args.groups_per_step),
-                      "--rollouts-per-group", "4", "--eval-every", str(args.eval_every),
-                      "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", str(args.advantage_balance),
-                      "--temperature", str(args.temperature),
-                      "--scale-rewards" if args.scale_rewards else "--no-scale-rewards",
-                      "--hallucination-penalty", str(args.hallucination_penalty),
-                      "--concurrency", str(args.concurrency))
+    grpo = [*train, "--groups-per-step", str(args.groups_per_step), "--rollouts-per-group", "4",
+            "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),
+            "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
+            "--hallucination-penalty", str(args.hallucination_penalty), "--concurrency", str(args.concurrency)]
+    first_steps = args.rl_steps - args.scaled_steps
+    times["rl"] = run("GRPO", *grpo, "--max-steps", str(first_steps),
+                      "--scale-rewards" if args.scale_rewards else "--no-scale-rewards")
+    if args.scaled_steps:  # the run resumes where the first phase stopped
+        times["rl"] += run("GRPO, std-scaled", *grpo, "--max-steps", str(args.rl_steps), "--scale-rewards")
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
                             *models, "--limit", str(args.test_questions), "--output", str(work / "report"),

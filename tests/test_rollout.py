@@ -57,6 +57,8 @@ def test_hallucination_and_idk(demo_db, q):
     (traj,), _ = run(play(demo_db, wrong, [q]))
     assert (traj.metrics["attempted_answer"], traj.metrics["hallucinated"], traj.metrics["answer_correct"]) == (1, 1, 0)
     assert traj.reward == pytest.approx(-1.0)
+    (traj,), _ = run(play(demo_db, wrong, [q], RolloutConfig(hallucination_penalty=2)))
+    assert traj.reward == pytest.approx(-2.0)  # a costlier hallucination
     idk = {q.question: [call("search_inbox", {"keywords": ["zebra"]}),
                         call("return_final_answer", {"answer": "I don't know", "sources": []})]}
     (traj,), _ = run(play(demo_db, idk, [q]))
@@ -141,7 +143,8 @@ def test_concurrent_rollouts(demo_db):
     assert all(t.metrics["sources_correct"] == 1 and t.metrics["answer_correct"] == 1 for t in trajs)
 
 
-def test_reward_ordering_holds_everywhere():
+@pytest.mark.parametrize("penalty", [1.0, 2.0, 4.0])
+def test_reward_ordering_holds_everywhere(penalty):
     """correct > "I don't know" > wrong with the same partial credit and penalties; a sound abstention (the right
     email never showed up) beats every wrong answer; running out of turns, or abstaining with the answer in
     view, sits below a sound abstention."""
@@ -153,7 +156,7 @@ def test_reward_ordering_holds_everywhere():
                     bad_tool_args=bad, num_turns=turns)
         worst_correct = min(worst_correct, shaped_reward(Rubric(answer_correct=1, attempted_answer=1, **base), 10, 1))
         idk = shaped_reward(Rubric(returned_i_dont_know=1, **base), 10, 1)
-        wrong = shaped_reward(Rubric(attempted_answer=1, hallucinated=1, **base), 10, 1)
+        wrong = shaped_reward(Rubric(attempted_answer=1, hallucinated=1, **base), 10, 1, penalty)
         best_idk, best_wrong = max(best_idk, idk), max(best_wrong, wrong)
         assert idk > wrong
         if not cited:  # citing needs an answer

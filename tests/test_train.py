@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT
 from email_agent import backends
-from scripted_server import expert_script, serve_in_thread
+from scripted_server import call, expert_script, serve_in_thread
 
 import train_email_search_agent as cli
 
@@ -205,6 +205,29 @@ def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capf
     assert all(seg.count("=") <= 4 for seg in bars), max(bars, key=lambda seg: seg.count("="))
 
 
+
+def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_path, tmp_path, monkeypatch):
+    from email_agent import questions
+
+    wrong = [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})]  # no search: no partial credit
+    with serve_in_thread({q.question: wrong for q in questions.select_questions(demo_db, "train", seed=0)}) as server:
+        made = {}
+
+        def fake_make_backend(name, cfg):
+            made["backend"] = RecordingBackend(server.base_url, name=name)
+            return made["backend"]
+
+        monkeypatch.setattr(backends, "cuda_available", lambda: True)
+        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
+        cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=2,
+                              groups_per_step=2, rollouts_per_group=2, max_steps=1, eval_every=1,
+                              hallucination_penalty=2.5)
+        asyncio.run(cli.train(cfg))
+    rewards = [t.reward for _, groups, _ in made["backend"].train_calls for g in groups for t in g.trajectories]
+    assert rewards and all(r == pytest.approx(-2.5) for r in rewards)
+    history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
+    assert [row["val/reward"] for row in history if "val/reward" in row] == [pytest.approx(-2.5)] * 2
+
 def test_backend_selection_errors(monkeypatch):
     cfg = cli.TrainConfig()
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
@@ -386,7 +409,9 @@ def test_a_backend_that_cannot_start_saves_no_run(demo_db_path, tmp_path, monkey
     assert not (tmp_path / "email-agent" / "models" / "g" / "run_config.json").exists()  # a CPU run may use the name
 
 
-@pytest.mark.parametrize("flag", ["--eval-every", "--groups-per-step", "--rollouts-per-group", "--max-turns"])
+@pytest.mark.parametrize("flag", ["--eval-every", "--groups-per-step", "--rollouts-per-group", "--max-turns",
+                                  "--hallucination-penalty"])
 def test_counts_below_one_are_clear_errors(demo_db_path, tmp_path, capsys, flag):
-    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), flag, "0"])
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), flag, "0.5"
+                     if flag == "--hallucination-penalty" else "0"])
     assert code == 1 and f"{flag} must be at least 1" in capsys.readouterr().err
