@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=False,
                         help="divide advantages by each group's reward std (ART's default; run J); off: Dr. GRPO (run K)")
     parser.add_argument("--scaled-steps", type=int, default=0,
-                        help="end with this many of the --rl-steps std-scaled (ART's default), after the others")
+                        help="end with this many of the --rl-steps std-scaled (ART's default), after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=1.0,
                         help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
     parser.add_argument("--groups-per-step", type=int, default=6)
