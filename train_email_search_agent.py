@@ -156,6 +156,7 @@ class TrainConfig:
     val_size: int = 100  # validation questions, held out of the *train* split (the test split stays unseen)
     single_source: bool = True  # only questions answered by one email (as ART·E trains)
     min_realistic: float = 0.0  # only questions with how_realistic >= this
+    unanswerable_share: float = 0.0  # share of GRPO questions asked the day before their gold email (best reply: I don't know)
     # ---- ALGO LOGIC: GRPO hyperparameters (ART·E agent_008 on GPU) ----
     groups_per_step: int = 12  # questions per step
     rollouts_per_group: int = 4  # rollouts per question; GRPO compares them
@@ -304,7 +305,7 @@ async def train(cfg: TrainConfig) -> None:
     import art
 
     from email_agent import backends, preflight, rewards
-    from email_agent.questions import select_questions
+    from email_agent.questions import select_questions, with_unanswerable
     from email_agent.rollout import Policy, RolloutConfig, rollout
 
     backend_name = backends.resolve_backend(cfg.backend)
@@ -320,6 +321,8 @@ async def train(cfg: TrainConfig) -> None:
     if not train_questions:
         raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation); "
                         f"write some with `python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`.")
+    # replays of train questions asked before their answer arrived: groups where abstaining beats inventing
+    rl_questions = with_unanswerable(train_questions, db, cfg.unanswerable_share, cfg.seed)
     reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
@@ -343,8 +346,10 @@ async def train(cfg: TrainConfig) -> None:
     model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
                                report_metrics=["wandb"] if cfg.wandb else [],
                                _internal_config=backends.internal_config(cfg) if backend_name == "local" else None)
-    print(f"training {cfg.name!r}: {cfg.base_model} on {backend_name}, {len(train_questions)} train / "
-          f"{len(val_questions)} val questions, reward {reward_mode}", file=sys.stderr)
+    unanswerable = len(rl_questions) - len(train_questions)
+    print(f"training {cfg.name!r}: {cfg.base_model} on {backend_name}, {len(train_questions)} train "
+          + (f"(+{unanswerable} asked before their answer arrived) " if unanswerable else "")
+          + f"/ {len(val_questions)} val questions, reward {reward_mode}", file=sys.stderr)
     try:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
@@ -366,7 +371,7 @@ async def train(cfg: TrainConfig) -> None:
         # (a warm start still to finish, even half done, comes before any RL step).
         sft_steps = state.get("sft_steps", 0)
         rl_step = 0 if warm_start_pending else await model.get_step() - sft_steps
-        batches = art.utils.iterate_dataset(train_questions, groups_per_step=cfg.groups_per_step,
+        batches = art.utils.iterate_dataset(rl_questions, groups_per_step=cfg.groups_per_step,
                                             num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False)
         if cfg.preflight:  # the next step's groups from the policy as it is now: nothing trained, logged or saved
             batch = next(iter(batches), None)
@@ -458,6 +463,8 @@ def train_command(args) -> None:
         raise DataError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
     if cfg.hallucination_penalty < 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
         raise DataError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
+    if not 0 <= cfg.unanswerable_share < 1:
+        raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
                 "sft_batch_size", "max_turns", "max_tokens"):
         if getattr(cfg, key) < 1:

@@ -50,6 +50,8 @@ def main() -> None:
                         help="end with this many of the --rl-steps std-scaled (ART's default), after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=1.0,
                         help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
+    parser.add_argument("--unanswerable-share", type=float, default=0.0,
+                        help="share of GRPO questions asked before their gold email arrived (run O)")
     parser.add_argument("--groups-per-step", type=int, default=6)
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="GRPO rollouts' sampling temperature (at 1.0 the warm-started 135M model is rarely right)")
@@ -80,7 +82,8 @@ def main() -> None:
     grpo = [*train, "--groups-per-step", str(args.groups_per_step), "--rollouts-per-group", "4",
             "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),
             "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
-            "--hallucination-penalty", str(args.hallucination_penalty), "--concurrency", str(args.concurrency)]
+            "--hallucination-penalty", str(args.hallucination_penalty), "--concurrency", str(args.concurrency),
+            "--unanswerable-share", str(args.unanswerable_share)]
     first_steps = args.rl_steps - args.scaled_steps
     times["rl"] = run("GRPO", *grpo, "--max-steps", str(first_steps),
                       "--scale-rewards" if args.scale_rewards else "--no-scale-rewards")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import random
+import dataclasses
 from dataclasses import dataclass
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Iterator
 
@@ -121,6 +122,26 @@ def select_questions(db: EmailDB, split: str, *, single_source: bool = False, mi
     if seed is not None:
         random.Random(seed).shuffle(questions)
     return questions[:limit] if limit is not None else questions
+
+
+def withheld(question: Question, db: EmailDB) -> Question | None:
+    """The question asked the day before its (earliest) gold email was sent: the inbox cannot answer it
+    (unless an earlier email carries the same fact). None when no gold email is in the database."""
+    dates = [email.date[:10] for email in (db.read(m) for m in question.message_ids) if email is not None]
+    if not dates:
+        return None
+    return dataclasses.replace(question, query_date=str(date.fromisoformat(min(dates)) - timedelta(days=1)))
+
+
+def with_unanswerable(questions: list[Question], db: EmailDB, share: float, seed: int = 0) -> list[Question]:
+    """`questions` plus withheld-gold replays of a seeded sample of them, making up `share` of the result.
+
+    A replay keeps its question and gold answer (a right answer stays right) but is asked before the answer
+    arrived, so the best reply is "I don't know": GRPO groups on replays reward abstaining over inventing.
+    """
+    wanted = min(round(share / (1 - share) * len(questions)), len(questions))  # replays / result = share
+    replays = (withheld(q, db) for q in random.Random(seed).sample(questions, wanted))
+    return questions + [dataclasses.replace(r, id=f"{r.id}-withheld") for r in replays if r is not None]
 
 
 def question_counts(db: EmailDB) -> dict[str, dict[str, int]]:

@@ -15,18 +15,16 @@ Test-split questions are never used, whatever the source says.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import re
-from datetime import date, timedelta
 from pathlib import Path
 
 import art
 from openai.types.chat import ChatCompletion
 
 from .data import DataError, EmailDB
-from .questions import Question
+from .questions import Question, withheld
 from .rollout import RolloutConfig, rollout
 from .tools import TOOLS
 
@@ -110,14 +108,6 @@ def abstained(traj: art.Trajectory) -> bool:
     m = traj.metrics
     return bool(m["returned_i_dont_know"] and not m["ever_found_right_email"] and not m["api_errors"]
                 and not (m["bad_tool_args"] or m["bad_tool_name"] or m["parse_errors"]))
-
-
-def withheld(question: Question, db: EmailDB) -> Question | None:
-    """The question asked the day before its (earliest) gold email was sent: the inbox cannot answer it."""
-    dates = [email.date[:10] for email in (db.read(m) for m in question.message_ids) if email is not None]
-    if not dates:
-        return None
-    return dataclasses.replace(question, query_date=str(date.fromisoformat(min(dates)) - timedelta(days=1)))
 
 
 async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,

@@ -228,6 +228,38 @@ def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
     assert [row["val/reward"] for row in history if "val/reward" in row] == [pytest.approx(-2.5)] * 2
 
+
+def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, demo_db_path, tmp_path, monkeypatch,
+                                                                     capsys):
+    from email_agent import questions
+
+    train = questions.select_questions(demo_db, "train", seed=0)[2:4]  # after 2 validation questions
+    idk = [call("return_final_answer", {"answer": "I don't know", "sources": []})]
+    with serve_in_thread({q.question: idk for q in train}) as server:
+        made = {}
+
+        def fake_make_backend(name, cfg):
+            made["backend"] = RecordingBackend(server.base_url, name=name)
+            return made["backend"]
+
+        monkeypatch.setattr(backends, "cuda_available", lambda: True)
+        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
+        cfg = cli.TrainConfig(name="u", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=2,
+                              unanswerable_share=0.5, groups_per_step=4, rollouts_per_group=2, max_steps=1,
+                              eval_every=1)
+        asyncio.run(cli.train(cfg))
+    assert "2 train (+2 asked before their answer arrived)" in capsys.readouterr().err
+    [(_, groups, _)] = made["backend"].train_calls
+    by_id = {g.trajectories[0].metadata["question_id"]: g for g in groups}
+    assert sorted(map(str, by_id)) == sorted([str(q.id) for q in train] + [f"{q.id}-withheld" for q in train])
+    for q in train:  # the replay's "today" is before its gold email, so no search can show it
+        today = by_id[f"{q.id}-withheld"].trajectories[0].messages_and_choices[0]["content"].split("Today's date is ")[1]
+        assert today[:10] < demo_db.read(q.message_ids[0]).date[:10] <= q.query_date
+        assert all(t.reward == 0 and t.metrics["returned_i_dont_know"] for t in by_id[f"{q.id}-withheld"].trajectories)
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--unanswerable-share", "1"])
+    assert code == 1 and "--unanswerable-share must be at least 0 and below 1, not 1.0" in capsys.readouterr().err
+
+
 def test_backend_selection_errors(monkeypatch):
     cfg = cli.TrainConfig()
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
