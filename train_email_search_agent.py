@@ -201,7 +201,8 @@ class TrainConfig:
 # The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of
 # them abstentions) at 1e-3. Six small GRPO steps then teach it when to abstain: with ART's std-scaled
 # advantages a group with no right answer still pushes "I don't know" over a wrong one (measured on 50 test
-# questions: hallucination 36% after the warm start, 14% and 24% after the six steps in two runs; 40% right).
+# questions: hallucination 36% after the warm start, 14%, 24% and 22% after the six steps in three runs; 38-40%
+# right).
 # bench/bench_learning.py, with more steps and --no-scale-rewards, is where RL adds right answers instead.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, groups_per_step=2, rollouts_per_group=4, num_epochs=1, max_steps=6,
