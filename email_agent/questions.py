@@ -7,9 +7,9 @@ saying whether their gold emails are present, so training and evaluation read on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-import dataclasses
 from dataclasses import dataclass
 from datetime import date, timedelta
 from pathlib import Path
@@ -134,7 +134,8 @@ def withheld(question: Question, db: EmailDB) -> Question | None:
 
 
 def with_unanswerable(questions: list[Question], db: EmailDB, share: float, seed: int = 0) -> list[Question]:
-    """`questions` plus withheld-gold replays of a seeded sample of them, making up `share` of the result.
+    """`questions` plus withheld-gold replays of a seeded sample of them, making up `share` of the result
+    (at most one replay per question, so at most half).
 
     A replay keeps its question and gold answer (a right answer stays right) but is asked before the answer
     arrived, so the best reply is "I don't know": GRPO groups on replays reward abstaining over inventing.
