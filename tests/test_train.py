@@ -164,25 +164,30 @@ class RecordingBackend:
         self.closed = True
 
 
-def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capfd):
-    from email_agent import questions
-
-    qs = questions.select_questions(demo_db, "train", seed=0)[:6]
+def train_on_scripts(scripts: dict, monkeypatch, **config) -> RecordingBackend:
+    """cli.train as on a GPU machine: the policy a scripted server (question -> tool calls), the backend recording."""
     made = {}
-    with serve_in_thread({q.question: expert_script(q) for q in qs}) as server:
+    with serve_in_thread(scripts) as server:
         def fake_make_backend(name, cfg):
             made["backend"] = RecordingBackend(server.base_url, name=name)
             return made["backend"]
 
         monkeypatch.setattr(backends, "cuda_available", lambda: True)
         monkeypatch.setattr(backends, "make_backend", fake_make_backend)
-        cfg = cli.TrainConfig(name="gpu", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=4,
-                              groups_per_step=2, rollouts_per_group=2, max_steps=2, eval_every=1,
-                              learning_rate=3e-6, advantage_balance=0.5, scale_rewards=False,
-                              gpu_memory_utilization=0.6, enforce_eager=True, max_num_seqs=16, max_seq_length=4096,
-                              lora_rank=16, lora_alpha=32)
-        asyncio.run(cli.train(cfg))
-    backend = made["backend"]
+        asyncio.run(cli.train(cli.TrainConfig(**config)))
+    return made["backend"]
+
+
+def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capfd):
+    from email_agent import questions
+
+    qs = questions.select_questions(demo_db, "train", seed=0)[:6]
+    backend = train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch,
+                               name="gpu", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=4,
+                               groups_per_step=2, rollouts_per_group=2, max_steps=2, eval_every=1,
+                               learning_rate=3e-6, advantage_balance=0.5, scale_rewards=False,
+                               gpu_memory_utilization=0.6, enforce_eager=True, max_num_seqs=16, max_seq_length=4096,
+                               lora_rank=16, lora_alpha=32)
     assert backend.kwargs == {"name": "local"} and backend.closed
     model = backend.model
     assert model.base_model == "Qwen/Qwen2.5-7B-Instruct" and model.name == "gpu" and model.base_path == str(tmp_path)
@@ -205,25 +210,15 @@ def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capf
     assert all(seg.count("=") <= 4 for seg in bars), max(bars, key=lambda seg: seg.count("="))
 
 
-
 def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_path, tmp_path, monkeypatch):
     from email_agent import questions
 
     wrong = [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})]  # no search: no partial credit
-    with serve_in_thread({q.question: wrong for q in questions.select_questions(demo_db, "train", seed=0)}) as server:
-        made = {}
-
-        def fake_make_backend(name, cfg):
-            made["backend"] = RecordingBackend(server.base_url, name=name)
-            return made["backend"]
-
-        monkeypatch.setattr(backends, "cuda_available", lambda: True)
-        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
-        cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=2,
-                              groups_per_step=2, rollouts_per_group=2, max_steps=1, eval_every=1,
-                              hallucination_penalty=2.5)
-        asyncio.run(cli.train(cfg))
-    rewards = [t.reward for _, groups, _ in made["backend"].train_calls for g in groups for t in g.trajectories]
+    backend = train_on_scripts({q.question: wrong for q in questions.select_questions(demo_db, "train", seed=0)},
+                               monkeypatch, name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2,
+                               train_limit=2, groups_per_step=2, rollouts_per_group=2, max_steps=1, eval_every=1,
+                               hallucination_penalty=2.5)
+    rewards = [t.reward for _, groups, _ in backend.train_calls for g in groups for t in g.trajectories]
     assert rewards and all(r == pytest.approx(-2.5) for r in rewards)
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
     assert [row["val/reward"] for row in history if "val/reward" in row] == [pytest.approx(-2.5)] * 2
@@ -235,21 +230,11 @@ def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, de
 
     train = questions.select_questions(demo_db, "train", seed=0)[2:4]  # after 2 validation questions
     idk = [call("return_final_answer", {"answer": "I don't know", "sources": []})]
-    with serve_in_thread({q.question: idk for q in train}) as server:
-        made = {}
-
-        def fake_make_backend(name, cfg):
-            made["backend"] = RecordingBackend(server.base_url, name=name)
-            return made["backend"]
-
-        monkeypatch.setattr(backends, "cuda_available", lambda: True)
-        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
-        cfg = cli.TrainConfig(name="u", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=2,
-                              unanswerable_share=0.5, groups_per_step=4, rollouts_per_group=2, max_steps=1,
-                              eval_every=1)
-        asyncio.run(cli.train(cfg))
+    backend = train_on_scripts({q.question: idk for q in train}, monkeypatch, name="u", art_dir=str(tmp_path),
+                               db=str(demo_db_path), val_size=2, train_limit=2, unanswerable_share=0.5,
+                               groups_per_step=4, rollouts_per_group=2, max_steps=1, eval_every=1)
     assert "2 train (+2 asked before their answer arrived)" in capsys.readouterr().err
-    [(_, groups, _)] = made["backend"].train_calls
+    [(_, groups, _)] = backend.train_calls
     by_id = {g.trajectories[0].metadata["question_id"]: g for g in groups}
     assert sorted(map(str, by_id)) == sorted([str(q.id) for q in train] + [f"{q.id}-withheld" for q in train])
     for q in train:  # the replay's "today" is before its gold email, so no search can show it
