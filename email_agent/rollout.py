@@ -35,10 +35,6 @@ promising email, and try other keywords if a search finds nothing. When you find
 return_final_answer with a short answer and the message_id of the email it comes from. If the inbox does
 not contain the answer, call return_final_answer with "I don't know" and no sources.
 The user's email address is {inbox}. Today's date is {today}."""
-# Said before the last turn: without it a small model that has not found the answer searches or reads on and
-# runs out of turns (30% of the demo agent's test episodes did) instead of deciding.
-LAST_TURN_NOTICE = ("This is your last turn: call return_final_answer now, with the answer and its message_id "
-                    "if an email you read holds it, else with \"I don't know\".")
 
 
 @dataclass
@@ -125,9 +121,6 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
     answer, sources, error = None, [], None
 
     while answer is None and rubric.num_turns < config.max_turns:
-        if 0 < rubric.num_turns == config.max_turns - 1:
-            messages.append({"role": "user", "content": LAST_TURN_NOTICE})
-            traj.messages_and_choices.append(messages[-1])
         started = time.perf_counter()
         try:
             response = await policy.complete(messages)
