@@ -46,6 +46,7 @@ class Rubric:
     ever_found_right_email: int = 0  # a gold message_id appeared in search results
     ever_read_right_email: int = 0
     ever_read_invalid_email: int = 0  # read_email answered "not found"
+    searches: int = 0  # valid search_inbox calls
     tool_calls: int = 0
     valid_tool_calls: int = 0
     bad_tool_name: int = 0
@@ -241,8 +242,10 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int, hallucination_pen
     keep GRPO from learning to stop answering.
 
       correct            1 + 0.3 sources_correct + 0.1/num_sources (precise citing) + 0.1 (1 - turns/max_turns)
-      I don't know       0 + partial credit      when the right email never showed up: a sound abstention
-                         -0.5 + partial credit   when a search showed it or the agent read it: the answer was there
+      I don't know       0 + partial credit      when the right email never showed up in a search that ran: a sound
+                                                 abstention
+                         -0.5 + partial credit   when a search showed it or the agent read it (the answer was there),
+                                                 or no search ran (it never looked)
       out of turns       -0.5 + partial credit   (no decision made; an episode the policy's API ended scores as
                                                  a sound abstention: not the policy's doing)
       wrong answer       -hallucination_penalty + partial credit  (>= 1; 1 as in ART·E)
@@ -261,7 +264,8 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int, hallucination_pen
     group's advantages by its reward std, so "I don't know" 0.5 above a wrong answer pushed as hard as a right
     answer 2 above it; without that (`--no-scale-rewards`, run K) the gaps' sizes count, GRPO raised accuracy
     and dropped abstention. The line is the warm start's own: its abstentions are episodes where the search
-    never found the email.
+    never found the email. Without a search that ran, "I don't know" was a sound abstention too, and GRPO found
+    it (run P): 38 of its 47 "I don't know"s came without one, straight away or after malformed searches.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
     if r.answer_correct:
@@ -271,7 +275,8 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int, hallucination_pen
     if r.attempted_answer:
         return -hallucination_penalty + partial - penalty
     answer_was_there = r.returned_i_dont_know and (r.ever_found_right_email or r.ever_read_right_email)
-    if r.ran_out_of_turns or answer_was_there:
+    never_looked = r.returned_i_dont_know and not r.searches
+    if r.ran_out_of_turns or answer_was_there or never_looked:
         return -0.5 + partial - penalty
     return partial - penalty
 

@@ -187,8 +187,10 @@ def record_outcome(rubric: Rubric, outcome: ToolOutcome, gold: set[str]) -> None
         rubric.bad_tool_args += 1
     elif outcome.error is None:
         rubric.valid_tool_calls += 1
-        if outcome.name == "search_inbox" and gold & {r["message_id"] for r in outcome.result}:
-            rubric.ever_found_right_email = 1
+        if outcome.name == "search_inbox":
+            rubric.searches += 1
+            if gold & {r["message_id"] for r in outcome.result}:
+                rubric.ever_found_right_email = 1
         elif outcome.name == "read_email":
             if outcome.result is None:
                 rubric.ever_read_invalid_email = 1

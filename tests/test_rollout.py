@@ -63,7 +63,13 @@ def test_hallucination_and_idk(demo_db, q):
                         call("return_final_answer", {"answer": "I don't know", "sources": []})]}
     (traj,), _ = run(play(demo_db, idk, [q]))
     assert (traj.metrics["returned_i_dont_know"], traj.metrics["hallucinated"], traj.metrics["attempted_answer"]) == (1, 0, 0)
-    assert traj.reward == pytest.approx(0.0)
+    assert traj.metrics["searches"] == 1 and traj.reward == pytest.approx(0.0)  # looked, found nothing: sound
+    # "I don't know" without a search that ran is not a sound abstention (GRPO learned it in run P)
+    unlooked = {q.question: [call("search_inbox", '{"keywords": ["zebra")}'),
+                             call("return_final_answer", {"answer": "I don't know", "sources": []})]}
+    (traj,), _ = run(play(demo_db, unlooked, [q]))
+    assert (traj.metrics["searches"], traj.metrics["bad_tool_args"]) == (0, 1)
+    assert traj.reward == pytest.approx(-0.6)
 
 
 BAD_CALLS = [
@@ -145,15 +151,15 @@ def test_concurrent_rollouts(demo_db):
 
 @pytest.mark.parametrize("penalty", [1.0, 2.0, 4.0])
 def test_reward_ordering_holds_everywhere(penalty):
-    """correct > "I don't know" > wrong with the same partial credit and penalties; a sound abstention (the right
-    email never showed up) beats every wrong answer; running out of turns, or abstaining with the answer in
-    view, sits below a sound abstention."""
+    """correct > "I don't know" > wrong with the same partial credit and penalties; a sound abstention (a search
+    ran and the right email never showed up) beats every wrong answer; running out of turns, abstaining with
+    the answer in view, or abstaining without a search that ran, sits below a sound abstention."""
     import itertools
 
     worst_correct, best_idk, best_wrong, worst_sound_idk = 9, -9, -9, 9
-    for found, read, cited, bad, turns in itertools.product((0, 1), (0, 1), (0, 1), (0, 3, 9), (1, 10)):
+    for found, read, cited, bad, turns, searches in itertools.product((0, 1), (0, 1), (0, 1), (0, 3, 9), (1, 10), (0, 2)):
         base = dict(ever_found_right_email=found, ever_read_right_email=read, sources_correct=cited,
-                    bad_tool_args=bad, num_turns=turns)
+                    bad_tool_args=bad, num_turns=turns, searches=searches)
         worst_correct = min(worst_correct, shaped_reward(Rubric(answer_correct=1, attempted_answer=1, **base), 10, 1))
         idk = shaped_reward(Rubric(returned_i_dont_know=1, **base), 10, 1)
         wrong = shaped_reward(Rubric(attempted_answer=1, hallucinated=1, **base), 10, 1, penalty)
@@ -163,11 +169,11 @@ def test_reward_ordering_holds_everywhere(penalty):
             out_of_turns = shaped_reward(Rubric(ran_out_of_turns=1, **base), 10, 1)
             api_ended = shaped_reward(Rubric(api_errors=1, **base), 10, 1)
             assert api_ended > out_of_turns > wrong  # the server's failure is not the policy's decision
-            if not found and not read:
+            if not found and not read and searches:
                 worst_sound_idk = min(worst_sound_idk, idk)
                 assert idk == api_ended > out_of_turns
             else:
-                assert idk == out_of_turns  # the answer was in view
+                assert idk == out_of_turns  # the answer was in view, or it never looked
     assert worst_correct > best_idk and worst_sound_idk > best_wrong
 
 
