@@ -265,7 +265,7 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int, hallucination_pen
     answer 2 above it; without that (`--no-scale-rewards`, run K) the gaps' sizes count, GRPO raised accuracy
     and dropped abstention. The line is the warm start's own: its abstentions are episodes where the search
     never found the email. Without a search that ran, "I don't know" was a sound abstention too, and GRPO found
-    it (run P): 38 of its 47 "I don't know"s came without one, straight away or after malformed searches.
+    it (run P): 11 of its 47 "I don't know"s came after searches with broken JSON only.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
     if r.answer_correct:
