@@ -157,7 +157,8 @@ def test_reward_ordering_holds_everywhere(penalty):
     import itertools
 
     worst_correct, best_idk, best_wrong, worst_sound_idk = 9, -9, -9, 9
-    for found, read, cited, bad, turns, searches in itertools.product((0, 1), (0, 1), (0, 1), (0, 3, 9), (1, 10), (0, 2)):
+    cases = itertools.product((0, 1), (0, 1), (0, 1), (0, 3, 9), (1, 10), (0, 2))
+    for found, read, cited, bad, turns, searches in cases:
         base = dict(ever_found_right_email=found, ever_read_right_email=read, sources_correct=cited,
                     bad_tool_args=bad, num_turns=turns, searches=searches)
         worst_correct = min(worst_correct, shaped_reward(Rubric(answer_correct=1, attempted_answer=1, **base), 10, 1))
