@@ -229,7 +229,8 @@ def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, de
     from email_agent import questions
 
     train = questions.select_questions(demo_db, "train", seed=0)[2:4]  # after 2 validation questions
-    idk = [call("return_final_answer", {"answer": "I don't know", "sources": []})]
+    idk = [call("search_inbox", {"keywords": ["zebra"]}),  # a search that ran: the abstention is a sound one
+           call("return_final_answer", {"answer": "I don't know", "sources": []})]
     backend = train_on_scripts({q.question: idk for q in train}, monkeypatch, name="u", art_dir=str(tmp_path),
                                db=str(demo_db_path), val_size=2, train_limit=2, unanswerable_share=0.5,
                                groups_per_step=4, rollouts_per_group=2, max_steps=1, eval_every=1)
