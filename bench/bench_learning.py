@@ -4,7 +4,8 @@
     python bench/bench_learning.py --quick         # a smoke run of the same pipeline, a few minutes
 
 Runs the real commands, as a user would: build-db --demo; train --sft-only (warm start from the scripted
-demo expert on the *train* split: its successful episodes and its abstentions); train again (the same run
+demo expert on the *train* split: its successful episodes and its abstentions, two epochs, the demo preset's
+rate schedule); train again (the same run
 resumes with GRPO); then one evaluation of the warm-started checkpoint and the final checkpoint (and the
 base model with --with-base) on held-out *test* questions, which writes the usual report (before/after
 table with 95% CIs, learning curve). Prints the table, an exact McNemar test of final vs. warm start on
@@ -39,8 +40,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--test-questions", type=int, default=100)
     parser.add_argument("--sft-limit", type=int, default=0, help="warm-start episodes (0: all the expert's)")
-    parser.add_argument("--sft-epochs", type=int, default=1)
-    parser.add_argument("--rl-steps", type=int, default=14)
+    parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-P: 1; Q, Q1: 2)")
+    parser.add_argument("--rl-steps", type=int, default=10, help="GRPO steps (runs F-P: 14)")
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")

@@ -366,7 +366,8 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caps
     from email_agent import questions
     from email_agent.rollout import RolloutConfig
 
-    cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=6, sft_epochs=3, sft_learning_rate=1e-3)
+    cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=6, sft_epochs=3, sft_learning_rate=1e-3,
+                          sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
     run = {"step": 0, "state": {}, "trained": [], "log": []}
@@ -375,12 +376,33 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caps
     assert run["step"] == 1 and len(run["trained"]) == 1
     asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))
     # Epochs 2 and 3 ran once each, on top of epoch 1's checkpoint: no epoch repeated, none skipped.
-    assert run["trained"] == [(0, 6, 1e-3), (1, 6, 1e-3), (2, 6, 1e-3)] and run["step"] == 3
+    assert run["trained"] == [(0, 6, [1e-3]), (1, 6, [1e-3]), (2, 6, [1e-3])] and run["step"] == 3
     assert "resuming after epoch 1" in capsys.readouterr().err
     assert [m for _, m in run["log"]] == [{"sft_epoch": 1}, {"sft_epoch": 2}, {"sft_epoch": 3}]  # curve markers
     assert [s for s, _ in run["log"]] == [1, 2, 3]
     asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))  # all done: nothing re-runs
     assert len(run["trained"]) == 3
+
+
+def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stopped(demo_db):
+    from email_agent import questions
+    from email_agent.rollout import RolloutConfig
+
+    cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=10, sft_epochs=2, sft_batch_size=2,
+                          sft_learning_rate=1e-3, sft_schedule="linear")
+    train = questions.select_questions(demo_db, "train", seed=0)[:30]
+    rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    whole = {"step": 0, "state": {}, "trained": [], "log": []}
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(whole), demo_db, train, rollout_config))
+    rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]
+    # 2 epochs of 5 batches: one warm-up batch up to the peak, then a straight line down to 0 at the last batch.
+    assert len(rates) == 10 and rates[0] == pytest.approx(1e-3) and rates[-1] == 0
+    assert all(a > b for a, b in zip(rates[1:], rates[2:]))
+    interrupted = {"step": 0, "state": {}, "trained": [], "log": []}
+    with pytest.raises(Killed):
+        asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), demo_db, train, rollout_config))
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted), demo_db, train, rollout_config))
+    assert interrupted["trained"] == whole["trained"]  # epoch 2 got epoch 2's rates, not the schedule's start
 
 
 @pytest.mark.slow
@@ -425,6 +447,11 @@ def test_a_backend_that_cannot_start_saves_no_run(demo_db_path, tmp_path, monkey
                      "--backend", "local", "--val-size", "1"])
     assert code == 1 and "needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "email-agent" / "models" / "g" / "run_config.json").exists()  # a CPU run may use the name
+
+
+def test_an_unknown_learning_rate_schedule_is_a_clear_error(demo_db_path, tmp_path, capsys):
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--sft-schedule", "step"])
+    assert code == 1 and "--sft-schedule is constant, linear or cosine" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--eval-every", "--groups-per-step", "--rollouts-per-group", "--max-turns",
