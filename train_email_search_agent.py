@@ -183,7 +183,7 @@ class TrainConfig:
     sft_only: bool = False  # stop after the warm start
     sft_limit: int = 0  # use at most N warm-start trajectories (0: all)
     sft_epochs: int = 1  # passes over the warm-start trajectories (one checkpoint each)
-    sft_learning_rate: float = 1e-4  # peak; the CPU preset uses 2e-3: a 135M model's LoRA barely moves at 1e-4
+    sft_learning_rate: float = 1e-4  # peak; the CPU preset uses 1e-3: a 135M model's LoRA barely moves at 1e-4
     sft_batch_size: int = 8  # trajectories per optimiser step
     sft_schedule: str = "linear"  # rate over all warm-start batches: linear/cosine to 0 after 10% warm-up, or constant
     # GPU (local backend) memory settings and LoRA shape
@@ -200,16 +200,16 @@ class TrainConfig:
 
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
 # The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of
-# them abstentions), its learning rate rising to 2e-3 and falling linearly to 0 (44% right on bench_learning's
-# 100 test questions; 33% at a constant 1e-3, 43% with batches of 2). Six small GRPO steps then teach it when
-# to abstain: with ART's std-scaled advantages a group with no right answer still pushes "I don't know" over a
-# wrong one (with the constant-rate warm start, on 50 test questions: hallucination 36% after the warm start,
-# 14%, 24% and 22% after the six steps in three runs; 38-40% right).
+# them abstentions) at a constant 1e-3. Six small GRPO steps then teach it when to abstain: with ART's
+# std-scaled advantages a group with no right answer still pushes "I don't know" over a wrong one (on 50 test
+# questions: hallucination 36% after the warm start, 14%, 24% and 22% after the six steps in three runs; 38-40%
+# right). A stronger warm start (rising to 2e-3, then linearly to 0; 44% right after it on bench_learning)
+# made the same six steps over-teach abstention: 20% right, 8% hallucinated, 72% "I don't know", 21.4 min.
 # bench/bench_learning.py, with more steps and --no-scale-rewards, is where RL adds right answers instead.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
-                   sft_learning_rate=2e-3, groups_per_step=2, rollouts_per_group=4, num_epochs=1, max_steps=6,
-                   learning_rate=1e-4, advantage_balance=0.5, temperature=0.7, max_turns=4, max_tokens=64,
-                   max_body_chars=600, search_results=3, eval_every=2, val_size=8, concurrency=8)
+                   sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=2, rollouts_per_group=4,
+                   num_epochs=1, max_steps=6, learning_rate=1e-4, advantage_balance=0.5, temperature=0.7, max_turns=4,
+                   max_tokens=64, max_body_chars=600, search_results=3, eval_every=2, val_size=8, concurrency=8)
 
 
 def run_dir(cfg: TrainConfig) -> Path:

@@ -4,8 +4,8 @@
     python bench/bench_learning.py --quick         # a smoke run of the same pipeline, a few minutes
 
 Runs the real commands, as a user would: build-db --demo; train --sft-only (warm start from the scripted
-demo expert on the *train* split: its successful episodes and its abstentions, two epochs, the demo preset's
-rate schedule); train again (the same run
+demo expert on the *train* split: its successful episodes and its abstentions, two epochs at the demo preset's
+constant 1e-3, as in runs Q and Q1); train again (the same run
 resumes with GRPO); then one evaluation of the warm-started checkpoint and the final checkpoint (and the
 base model with --with-base) on held-out *test* questions, which writes the usual report (before/after
 table with 95% CIs, learning curve). Prints the table, an exact McNemar test of final vs. warm start on
