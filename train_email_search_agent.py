@@ -450,6 +450,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         help_text = comments.get(f.name, "") + (f" (default {f.default!r})" if f.type != "bool" else "")
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help text: "10% warm-up" would crash --help
         if f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

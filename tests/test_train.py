@@ -18,6 +18,7 @@ from conftest import ROOT
 from email_agent import backends
 from scripted_server import call, expert_script, serve_in_thread
 
+import test_email_search_agent as evaluate_cli
 import train_email_search_agent as cli
 
 TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4", "--groups-per-step", "1",
@@ -460,3 +461,18 @@ def test_counts_below_one_are_clear_errors(demo_db_path, tmp_path, capsys, flag)
     code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), flag, "0.5"
                      if flag == "--hallucination-penalty" else "0"])
     assert code == 1 and f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["build-db", "generate-questions", "search", "read", "ask", "train"])
+def test_every_command_prints_its_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.make_parser().parse_args([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and f" {command} [-h]" in out
+
+
+def test_the_evaluation_script_prints_its_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        evaluate_cli.make_parser().parse_args(["--help"])
+    assert exit_.value.code == 0 and "--model" in capsys.readouterr().out
