@@ -40,8 +40,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--test-questions", type=int, default=100)
     parser.add_argument("--sft-limit", type=int, default=0, help="warm-start episodes (0: all the expert's)")
-    parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-P: 1; Q, Q1: 2)")
-    parser.add_argument("--rl-steps", type=int, default=10, help="GRPO steps (runs F-P: 14)")
+    parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-R: 1; Q, Q1: 2)")
+    parser.add_argument("--rl-steps", type=int, default=10, help="GRPO steps (runs F-R: 14)")
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
