@@ -235,10 +235,11 @@ def step_line(step: int, groups: list[TrajectoryGroup], train_metrics: dict, lea
 
     what = (f"trained on {learned['trainable_group_share']:.0%} of groups, {learned['trained_token_share']:.0%} of "
             f"tokens" + ("" if learned["trained_token_share"] > 0 else "  LEARNED NOTHING"))
+    loss = f"loss {train_metrics['loss']:+.4f}" if "loss" in train_metrics else "loss -"  # no update, no loss
     errors = "".join(f"  {label} {learned[key]:.0f}" for key, label in
                      (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors")) if learned[key])
     return (f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
             f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
             f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
-            f"tokens {mean('completion_tokens'):.0f}  loss {train_metrics.get('loss', float('nan')):+.4f}  "
+            f"tokens {mean('completion_tokens'):.0f}  {loss}  "
             f"{what}{errors}  {seconds:.0f}s")

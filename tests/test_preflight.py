@@ -4,6 +4,7 @@ and one real run of the untrained CPU model that must be told it cannot learn.""
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,11 @@ def test_step_metrics(demo_db, qs):
     # ART's LocalBackend does not: estimated from the trainable groups' tokens
     expected = sum(t.metrics["completion_tokens"] for g in groups[:2] for t in g.trajectories) / completion
     assert preflight.step_metrics(h, groups, {"loss": 0.1})["trained_token_share"] == pytest.approx(expected)
+    # the step's line: a step that updated nothing has no loss to show (the CPU backend reports none then)
+    trained = preflight.step_line(5, groups, {"loss": 0.1, **cpu}, m, 42.0)
+    assert re.match(r"step +5 +reward [+-]\d\.\d{3} +accuracy 25% .* loss \+0\.1000 +trained on 50% of groups", trained)
+    idle = preflight.step_line(6, groups, skipped, preflight.step_metrics(h, groups, skipped), 42.0)
+    assert re.search(r"loss -  trained on \d+% of groups, 0% of tokens  LEARNED NOTHING", idle) and "nan" not in idle
 
 
 def test_judge_failures_fail_the_preflight(demo_db, qs):
