@@ -15,11 +15,6 @@ def test_question_keywords():
     assert question_keywords("Where is the Petrel steering committee being held?") == ["Petrel", "steering"]
     assert question_keywords("What's the hotel confirmation code for my Glasgow trip?")[0] == "Glasgow"
     assert question_keywords("When is flight BW863 leaving?")[0] == "BW863"
-    # one word of a two-word name, then what it is about: the name alone matches every email of that sender
-    assert question_keywords("What price did we settle on with Harborline Shipping for the storage lease?") == \
-        ["Harborline", "storage"]
-    assert question_keywords("How much did finance approve for Kestrel?") == ["Kestrel", "finance"]
-    assert question_keywords("who sent the memo about gas prices?") == ["sent", "memo"]  # no name: content words
 
 
 def test_expert_solves_most_train_questions_and_never_test(demo_db):
