@@ -206,10 +206,10 @@ class TrainConfig:
 # right). A stronger warm start (rising to 2e-3, then linearly to 0; 44% right after it on bench_learning)
 # made the same six steps over-teach abstention: 20% right, 8% hallucinated, 72% "I don't know", 21.4 min.
 # bench/bench_learning.py, with more steps and --no-scale-rewards, is where RL adds right answers instead.
-DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=200, sft_epochs=1, sft_batch_size=4,
+DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=2, rollouts_per_group=4,
                    num_epochs=1, max_steps=6, learning_rate=1e-4, advantage_balance=0.5, temperature=0.7, max_turns=4,
-                   max_tokens=64, max_body_chars=600, search_results=3, eval_every=3, val_size=8, concurrency=8)
+                   max_tokens=64, max_body_chars=600, search_results=3, eval_every=2, val_size=8, concurrency=8)
 
 
 def run_dir(cfg: TrainConfig) -> Path:

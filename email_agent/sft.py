@@ -35,24 +35,12 @@ time date day price cost much many number name get got set""".split())  # questi
 
 
 def question_keywords(text: str, limit: int = 2) -> list[str]:
-    """Distinctive words of a question: its first name (a capitalised word or a code), then what the name is
-    about (the content words after the name), then the content words before it.
-
-    "What price did we settle on with Harborline Shipping for the storage lease?" -> Harborline, storage:
-    one word picks the counterparty, the other the deal, where two words of one name ("Harborline
-    Shipping") would match every email with that counterparty. Question words ("price", "amount") come
-    last: an email states the value, not what kind of value it is.
-    """
+    """Distinctive words of a question: capitalised names and codes first, then other content words."""
     words = [w.strip("?.,!:;'\"()") for w in text.split()]
     words = [w[:-2] if w.endswith("'s") else w for w in words]
-    content = [(i, w) for i, w in enumerate(words) if len(w) > 2 and w.lower() not in STOPWORDS]
-    named = [i for i, w in content if i > 0 and (w[:1].isupper() or any(c.isdigit() for c in w))]
-    if not named:
-        return list(dict.fromkeys(w for _, w in content))[:limit]
-    first = last = named[0]
-    while last + 1 in named:  # the rest of a multi-word name
-        last += 1
-    ordered = [words[first]] + [w for i, w in content if i > last] + [w for i, w in content if i < first]
+    content = [w for w in words if len(w) > 2 and w.lower() not in STOPWORDS]
+    named = [w for w in content[1:] if w[:1].isupper() or any(c.isdigit() for c in w)]
+    ordered = named + [w for w in content if w not in named]
     return list(dict.fromkeys(ordered))[:limit]
 
 
