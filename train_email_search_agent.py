@@ -202,10 +202,10 @@ class TrainConfig:
 # The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of
 # them abstentions) at a constant 1e-3. Six small GRPO steps then teach it when to abstain: with ART's
 # std-scaled advantages a group with no right answer still pushes "I don't know" over a wrong one (on 50 test
-# questions: hallucination 36% after the warm start, 14%, 24% and 22% after the six steps in three runs; 38-40%
-# right). A stronger warm start (rising to 2e-3, then linearly to 0; 44% right after it on bench_learning)
-# made the same six steps over-teach abstention: 20% right, 8% hallucinated, 72% "I don't know", 21.4 min.
+# questions: hallucination 36% after the warm start, 14-24% after the six steps; 38-48% right). A stronger warm
+# start (rising to 2e-3, then linearly to 0) made the same six steps over-teach abstention (72% "I don't know").
 # bench/bench_learning.py, with more steps and --no-scale-rewards, is where RL adds right answers instead.
+# Every run of this preset and of the changes tried on it: bench/RESULTS.md.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=2, rollouts_per_group=4,
                    num_epochs=1, max_steps=6, learning_rate=1e-4, advantage_balance=0.5, temperature=0.7, max_turns=4,
