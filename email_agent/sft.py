@@ -4,9 +4,9 @@ A small model that never emits a valid tool call gives every rollout the same re
 advantage to learn from. Supervised fine-tuning on good episodes first fixes that. Sources:
 
   demo-expert   a scripted expert plays the demo inbox's train questions through the real rollout code:
-                its successful episodes, plus abstentions: episodes that end in "I don't know" after
-                searches that listed no email at all (questions replayed on a day before any email
-                their search finds, so the inbox cannot hold the answer)
+                its successful episodes, plus abstentions (episodes that end in "I don't know" because
+                the search really failed: the expert's own failures, and questions replayed the day
+                before their gold email was sent, so the inbox cannot hold the answer)
   <folder>      an evaluation folder from test_email_search_agent.py (e.g. a prompted o4-mini on the
                 train split): its judged-correct, correctly-cited episodes
 
@@ -15,15 +15,12 @@ Test-split questions are never used, whatever the source says.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import re
-from datetime import date, timedelta
 from pathlib import Path
 
 import art
-from art.trajectories import get_messages
 from openai.types.chat import ChatCompletion
 
 from .data import DataError, EmailDB
@@ -113,63 +110,29 @@ def abstained(traj: art.Trajectory) -> bool:
                 and not (m["bad_tool_args"] or m["bad_tool_name"] or m["parse_errors"]))
 
 
-def emails_listed(traj: art.Trajectory) -> list[dict]:
-    """Every search result an episode's searches listed (message_id, subject, date, ...)."""
-    return [result for message in get_messages(traj.messages_and_choices)
-            if message["role"] == "tool" and (message.get("content") or "").startswith("[")
-            for result in json.loads(message["content"])]
-
-
-async def unanswerable_replay(policy: ExpertPolicy, question: Question, db: EmailDB, config: RolloutConfig,
-                              tries: int = 5) -> art.Trajectory | None:
-    """The expert's episode on `question` asked on a day before any email its searches find, so it ends in
-    "I don't know" after searches that listed nothing; None if no such day turns up in `tries` replays.
-
-    The first replay is the day before the gold email (`withheld`); while a search still lists earlier
-    mail (often the same subject: a first offer before the counteroffer, a deadline before it moved), the
-    next one is the day before the earliest email listed. Abstaining after reading such mail would teach
-    "I don't know" beside an email that answers the question as it stood then.
-    """
-    replay = withheld(question, db)
-    for _ in range(tries):
-        if replay is None:
-            return None
-        traj = await rollout(policy, replay, db, config)
-        listed = emails_listed(traj)
-        if not listed:
-            if not abstained(traj):
-                return None
-            traj.metadata["withheld_gold"] = True
-            return traj
-        earliest = date.fromisoformat(min(result["date"][:10] for result in listed))
-        replay = dataclasses.replace(replay, query_date=str(earliest - timedelta(days=1)))
-    return None
-
-
 async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,
                               abstain_share: float = 0.25, seed: int = 0) -> list[art.Trajectory]:
     """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
 
-    Successful episodes, plus abstentions making up about `abstain_share` of the result, each one after
-    searches that listed no email: the expert's own "I don't know"s of that kind, topped up with
-    `unanswerable_replay`s of solved questions. An agent that only ever saw answers learns to invent one
-    when the search fails; one that saw "I don't know" right after reading a related email (the expert's
-    other failures, where its turns ran out) learns to give up beside the answer: a demo agent trained so
-    said "I don't know" on 13 of 50 test questions whose gold email its own search had listed.
+    Successful episodes, plus abstentions making up about `abstain_share` of the result: the expert's own
+    "I don't know"s where its search failed, topped up with withheld-gold replays of other questions.
+    An agent that only ever saw answers learns to invent one when the search fails.
     """
     questions = [q for q in questions if q.split != "test"]
     policy = ExpertPolicy(questions, max_turns=config.max_turns)
     trajs = [await rollout(policy, q, db, config) for q in questions]
     solved = [t for t in trajs if successful(t)]
-    abstentions = [t for t in trajs if abstained(t) and not emails_listed(t)]
+    abstentions = [t for t in trajs if abstained(t)]
     wanted = round(abstain_share / (1 - abstain_share) * len(solved))  # abstentions / (solved + abstentions) = share
     solved_ids = {t.metadata["question_id"] for t in solved}
     for q in questions:  # only solvable questions are replayed: their gold email is known to be findable otherwise
         if len(abstentions) >= wanted:
             break
-        if q.id in solved_ids:
-            traj = await unanswerable_replay(policy, q, db, config)
-            if traj is not None:
+        replay = withheld(q, db) if q.id in solved_ids else None
+        if replay is not None:
+            traj = await rollout(policy, replay, db, config)
+            if abstained(traj):
+                traj.metadata["withheld_gold"] = True
                 abstentions.append(traj)
     mixed = solved + abstentions[:wanted]
     random.Random(seed).shuffle(mixed)

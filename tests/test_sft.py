@@ -7,9 +7,8 @@ import pytest
 
 from email_agent import questions as qmod
 from email_agent.data import DataError
-from email_agent.rollout import RolloutConfig, rollout
-from email_agent.sft import (ExpertPolicy, emails_listed, expert_trajectories, question_keywords, sft_source,
-                              teacher_trajectories, unanswerable_replay)
+from email_agent.rollout import RolloutConfig
+from email_agent.sft import expert_trajectories, question_keywords, sft_source, teacher_trajectories
 
 
 def test_question_keywords():
@@ -34,10 +33,9 @@ def test_expert_solves_most_train_questions_and_never_test(demo_db):
 
 
 def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
-    """About a quarter of the expert's episodes end in "I don't know", each one after searches that listed
-    no email at all: a question asked on a day before any email its search finds (never the expert's
-    failures after reading related mail, which would teach giving up beside an answer). The mix is
-    shuffled, so a --sft-limit prefix keeps it."""
+    """About a quarter of the expert's episodes end in "I don't know", each one after a search that never
+    showed the gold email: the expert's own failures, or a question asked the day before its gold email
+    was sent (withheld). The mix is shuffled, so a --sft-limit prefix keeps it."""
     train = qmod.select_questions(demo_db, "train", seed=0)
     config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
     trajs = asyncio.run(expert_trajectories(demo_db, train, config))
@@ -45,43 +43,21 @@ def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
     assert 0.2 <= len(idk) / len(trajs) <= 0.3
     assert len(idk) + sum(t.metrics["answer_correct"] for t in trajs) == len(trajs)  # nothing else: no wrong answers
     by_id = {q.id: q for q in train}
+    withheld = [t for t in idk if t.metadata.get("withheld_gold")]
+    assert withheld and len(withheld) < len(idk)  # both kinds
     for t in idk:
         m = t.metrics
-        assert emails_listed(t) == [] and m["searches"] >= 1
         assert m["ever_found_right_email"] == m["ever_read_right_email"] == m["attempted_answer"] == 0
         assert m["bad_tool_args"] == m["bad_tool_name"] == m["parse_errors"] == m["ran_out_of_turns"] == 0
         last = t.messages_and_choices[-2].message.tool_calls[0].function
         assert (last.name, json.loads(last.arguments)) == ("return_final_answer", {"answer": "I don't know", "sources": []})
+    for t in withheld:  # the episode's "today" is before the gold email, so the inbox could not show it
         gold = demo_db.read(by_id[t.metadata["question_id"]].message_ids[0])
-        today = t.messages_and_choices[0]["content"].split("Today's date is ")[1][:10]
-        if t.metadata.get("withheld_gold"):  # else the expert's own: its searches found nothing either
-            assert today < gold.date[:10]  # the inbox could not show it
-    assert not any(emails_listed(t) for t in trajs if t.metrics["answer_correct"] == 0)
+        system = t.messages_and_choices[0]["content"]
+        today = system.split("Today's date is ")[1][:10]
+        assert today < gold.date[:10]
     first = trajs[:40]
     assert 5 <= sum(t.metrics["returned_i_dont_know"] for t in first) <= 17
-
-
-def test_unanswerable_replay_steps_back_before_related_mail(demo_db):
-    """A question whose day-before-gold replay still lists earlier mail on its subject (a first offer before
-    the counteroffer) is asked earlier again, until its searches list nothing."""
-    train = qmod.select_questions(demo_db, "train", seed=0)
-    config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    policy = ExpertPolicy(train, max_turns=4)
-    stepped = 0
-    for q in train[:60]:
-        first = qmod.withheld(q, demo_db)
-        before_gold = asyncio.run(rollout(policy, first, demo_db, config))
-        traj = asyncio.run(unanswerable_replay(policy, q, demo_db, config))
-        if traj is None:
-            continue
-        today = traj.messages_and_choices[0]["content"].split("Today's date is ")[1][:10]
-        assert emails_listed(traj) == [] and traj.metrics["returned_i_dont_know"] == 1
-        if emails_listed(before_gold):
-            stepped += 1
-            assert today < min(r["date"][:10] for r in emails_listed(before_gold))
-        else:
-            assert today == first.query_date
-    assert stepped >= 5
 
 
 def record(qid, correct=1, sources=1, error=None, model="openai/o4-mini"):
