@@ -6,6 +6,7 @@ backend; training tests get their own backend in a temporary directory.
 """
 
 import asyncio
+import copy
 import json
 import math
 import types
@@ -656,6 +657,41 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
     assert step == 2
     saved = tmp_path / "test" / "models" / "sft" / "checkpoints" / "0002" / "trainer_state.json"
     assert json.loads(saved.read_text())["mode"] == "sft"  # a resumed RL step resets these moments
+
+
+@pytest.mark.slow
+def test_merged_weights_follow_each_step_in_place_and_serving_keeps_its_own_copy(loop, tmp_path, monkeypatch):
+    """The trainer's merged copy is updated in place after each optimizer step, to exactly what a fresh copy and
+    merge give; the server decodes with a copy made at publish time, which a later step leaves alone."""
+    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
+    trajectory = art.Trajectory(messages_and_choices=[
+        SYSTEM, QUESTION, assistant_call({"keywords": ["budget", "Sally"]}),
+        {"role": "tool", "tool_call_id": "call_0", "content": "[]"},
+        {"role": "assistant", "content": "I don't know."}], tools=[SEARCH_TOOL], reward=0.0)
+    name = "model.layers.0.self_attn.q_proj.weight"
+
+    async def run():
+        backend = CPUBackend(path=str(tmp_path), train_threads=1)
+        model = art.TrainableModel(name="merge", project="test", base_model="smollm2", report_metrics=[])
+        await model.register(backend)
+        trainer, worker = backend.trainer, backend.worker
+        merged = trainer.context_model()
+        untrained = merged.state_dict()[name].clone()
+        await model.train_sft([trajectory, trajectory], art.TrainSFTConfig(learning_rate=1e-3, batch_size=1))
+        served = worker.model
+        published = served.state_dict()[name].clone()
+        await worker.call(trainer.sft_batch, [trajectory], 1e-3)  # a third step, not published
+        current = await worker.call(trainer.context_model)
+        fresh = await worker.call(lambda: copy.deepcopy(trainer.peft).merge_and_unload())
+        await backend.close()
+        return merged, untrained, served, published, current, fresh
+
+    merged, untrained, served, published, current, fresh = loop.run_until_complete(run())
+    assert current is merged and served is not merged
+    assert not torch.equal(published, untrained) and not torch.equal(current.state_dict()[name], published)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(current.state_dict()[key], value), key
+    assert torch.equal(served.state_dict()[name], published)  # unchanged by the unpublished step
 
 
 @pytest.mark.slow

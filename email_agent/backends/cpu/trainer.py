@@ -26,6 +26,7 @@ from art.preprocessing.tokenize import tokenize_trajectory_groups
 from art.trajectories import get_messages
 from openai.types.chat.chat_completion import Choice
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from transformers import DynamicCache
 
 from .model import inference_dtype
@@ -103,15 +104,26 @@ class Trainer:
         self.closing = closing
         self.mode = mode  # "sft" or "rl": what the Adam moments were built on (saved with checkpoints)
         self._context = None  # the current weights merged, for untrained positions (see `context_model`)
+        self._merged: list[tuple[LoraLayer, torch.nn.Linear]] = []  # each LoRA layer and its merged linear
+        self._stale = False  # an optimizer step has changed the weights since the merge
 
     def context_model(self):
         """The current weights (LoRA merged in) in the inference dtype: what untrained positions run through.
 
         They need no gradient, so they need neither the LoRA's extra matmuls nor float32: in bfloat16 on a
-        CPU with AMX, their forward (~90% of an agent trajectory's tokens) runs several times faster. Rebuilt
-        after every optimizer step (a copy and a merge: well under a second)."""
+        CPU with AMX, their forward (~90% of an agent trajectory's tokens) runs several times faster. Built
+        once (a copy and a merge: ~1.2 s on two cores), then brought up to date in place after each optimizer
+        step: each merged linear becomes its base weight plus its LoRA's delta (~0.1 s; only LoRA weights
+        train). The warm start takes an optimizer step every few episodes, so this is its ~1 s per step."""
         if self._context is None or self._context.dtype != inference_dtype():
             self._context = copy.deepcopy(self.peft).merge_and_unload().to(inference_dtype()).eval()
+            self._merged = [(layer, self._context.get_submodule(name))
+                            for name, layer in self.peft.get_base_model().named_modules() if isinstance(layer, LoraLayer)]
+        elif self._stale:
+            with torch.no_grad():
+                for layer, linear in self._merged:
+                    linear.weight.copy_(layer.base_layer.weight + layer.get_delta_weight(self.peft.active_adapter))
+        self._stale = False
         return self._context
 
     # -- GRPO ------------------------------------------------------------------------------------
@@ -306,7 +318,7 @@ class Trainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         self.optimizer.step()
-        self._context = None  # the weights changed
+        self._stale = True  # the merged copy is brought up to date when next read
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
