@@ -114,7 +114,7 @@ class Trainer:
         CPU with AMX, their forward (~90% of an agent trajectory's tokens) runs several times faster. Built
         once (a copy and a merge: ~1.2 s on two cores), then brought up to date in place after each optimizer
         step: each merged linear becomes its base weight plus its LoRA's delta (~0.1 s; only LoRA weights
-        train). The warm start takes an optimizer step every few episodes, so this is its ~1 s per step."""
+        train), which saves ~1 s per step where the warm start steps every few episodes."""
         if self._context is None or self._context.dtype != inference_dtype():
             self._context = copy.deepcopy(self.peft).merge_and_unload().to(inference_dtype()).eval()
             self._merged = [(layer, self._context.get_submodule(name))
