@@ -100,20 +100,29 @@ def is_i_dont_know(answer: str) -> bool:
     return normalize_answer(answer) in ("i don t know", "i dont know", "i do not know")
 
 
-def offline_verdict(answer: str, gold: str) -> Verdict:
+def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
     """Correct when the normalised gold answer appears, as whole words, in a reasonably short answer.
 
-    The length cap stops an agent from being right by pasting a whole email as its answer.
+    Closing words of the gold answer that only restate the question may be left out ("How many FTEs were
+    approved?" is answered by "21" as well as by the gold "21 FTEs"), as a judge would allow. Not when the
+    question offers a choice ("morning or afternoon?" "Friday morning"): the restated word is then the answer;
+    nor opening words ("Jeff approved it"); and a gold answer made only of the question's words must appear
+    whole. The length cap stops an agent from being right by pasting a whole email as its answer.
     """
     got, want = normalize_answer(answer), normalize_answer(gold)
     if not want or is_i_dont_know(answer):
         return Verdict(False, "offline", "empty gold answer" if not want else "answered I don't know")
-    contained = f" {want} " in f" {got} "
-    short_enough = len(got) <= max(3 * len(want), len(want) + 60)
-    reason = "gold answer found in the answer" if contained else "gold answer not in the answer"
-    if contained and not short_enough:
-        reason = "gold answer buried in an over-long answer"
-    return Verdict(contained and short_enough, "offline", reason)
+    asked, core = normalize_answer(question).split(), want.split()
+    while core and core[-1] in asked and "or" not in asked:
+        core = core[:-1]
+    forms = [want] + ([" ".join(core)] if core and len(core) < len(want.split()) else [])
+    found = next((form for form in forms if f" {form} " in f" {got} "), None)
+    if found is None:
+        return Verdict(False, "offline", "gold answer not in the answer")
+    if len(got) > max(3 * len(found), len(found) + 60):
+        return Verdict(False, "offline", "gold answer buried in an over-long answer")
+    return Verdict(True, "offline", "gold answer found in the answer" if found == want
+                   else f"gold answer found in the answer, less the question's own words ({found!r})")
 
 
 JUDGE_PROMPT = """You grade answers to questions about a person's email inbox.
@@ -177,7 +186,7 @@ class LLMJudge:
                     verdict = parse_judge_reply(response.choices[0].message.content or "", self.model)
         except Exception as exc:  # after retries, or at once when retrying cannot help: recorded, never raised
             tries = retrying.statistics.get("attempt_number", 1)
-            fallback = offline_verdict(answer, gold)
+            fallback = offline_verdict(answer, gold, question)
             return Verdict(fallback.correct, "offline", fallback.reasoning,
                            error=f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
                                  f"({type(exc).__name__}: {redact(str(exc)[:200])})")

@@ -212,7 +212,7 @@ async def grade(rubric: Rubric, question: Question, answer: str | None, sources:
     if config.judge is not None:
         verdict = await config.judge.verdict(question.question, question.answer, answer)
     else:
-        verdict = rewards.offline_verdict(answer, question.answer)
+        verdict = rewards.offline_verdict(answer, question.answer, question.question)
     rubric.judge_error = int(verdict.error is not None)
     rubric.answer_correct = int(verdict.correct)
     rubric.hallucinated = int(not verdict.correct)

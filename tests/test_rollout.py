@@ -1,6 +1,7 @@
 """Real rollouts against the demo inbox (and the Enron sample) driven by a scripted policy server."""
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from openai import AsyncOpenAI
 from conftest import needs_enron
 from email_agent import questions as qmod
 from email_agent.questions import Question
+from email_agent import rewards
 from email_agent.rewards import Rubric, shaped_reward
 from email_agent.rollout import Policy, RolloutConfig, rollout
 from scripted_server import ScriptedServer, call, expert_script
@@ -190,3 +192,27 @@ def test_rollout_on_real_enron_sample(enron_db):
                                   call("return_final_answer", {"answer": "Falcon Gas", "sources": [hit.message_id]})]}
     (traj,), _ = run(play(enron_db, script, [question]))
     assert traj.metrics["answer_correct"] == 1 and traj.metrics["ever_read_right_email"] == 1
+
+
+@pytest.mark.parametrize("answer,gold,question,correct", [
+    ("21", "21 FTEs", "How many FTEs were approved for Gannet?", True),  # the unit restates the question
+    ("21 FTEs", "21 FTEs", "How many FTEs were approved for Gannet?", True),
+    ("12", "21 FTEs", "How many FTEs were approved for Gannet?", False),
+    ("21", "21 FTEs", "How many people were approved for Gannet?", False),  # "FTEs" is part of the answer here
+    ("Friday", "Friday morning", "When is the call with Gannet this morning moved to?", True),
+    ("Friday afternoon", "Friday morning", "Is the call moved to the morning or the afternoon?", False),  # a choice
+    ("Mark approved it", "Jeff approved it", "Who approved it?", False),  # what is left ("Jeff") must be there
+    ("office", "Dallas office", "Which office, the Dallas office?", False),  # only the question's words left
+    ("21 " + "and more words " * 10, "21 FTEs", "How many FTEs were approved?", False),  # still capped in length
+])
+def test_offline_verdict_lets_an_answer_leave_out_the_question_own_closing_words(answer, gold, question, correct):
+    assert rewards.offline_verdict(answer, gold, question).correct is correct
+
+
+def test_graded_rollout_uses_the_question(demo_db, q):
+    """The rollout grades with the question: a gold answer ending in the question's last word ("... Glasgow")
+    is matched by the expert's answer without it."""
+    last_word = q.question.rstrip("?").split()[-1]
+    asked = dataclasses.replace(q, answer=f"{q.answer} {last_word}")
+    (traj,), _ = run(play(demo_db, {asked.question: expert_script(q)}, [asked]))
+    assert traj.metadata["answer"] == q.answer and traj.metrics["answer_correct"] == 1
