@@ -199,12 +199,13 @@ class TrainConfig:
 
 
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
-# The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of
-# them abstentions) at a constant 1e-3 (the first 170 only, tried to save 2 minutes, warm-started to 34% right
-# and the six steps then taught "I don't know" to 45 of 50 test questions: bench/RESULTS.md). Six small GRPO steps then teach it when to abstain: with ART's
-# std-scaled advantages a group with no right answer still pushes "I don't know" over a wrong one (on 50 test
-# questions: hallucination 36% after the warm start, 14-24% after the six steps; 38-48% right). A stronger warm
-# start (rising to 2e-3, then linearly to 0) made the same six steps over-teach abstention (72% "I don't know").
+# The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of them
+# abstentions) at a constant 1e-3 (the first 170 only, tried to save 2 minutes, warm-started to 34% right and the
+# six steps then taught "I don't know" to 45 of 50 test questions: bench/RESULTS.md). Six small GRPO steps then
+# teach it when to abstain: with ART's std-scaled advantages a group with no right answer still pushes "I don't
+# know" over a wrong one (on 50 test questions: hallucination 36% after the warm start, 14-26% after the six
+# steps; 38-48% right). A stronger warm start (rising to 2e-3, then linearly to 0) made the same six steps
+# over-teach abstention (72% "I don't know").
 # bench/bench_learning.py, with more steps and --no-scale-rewards, is where RL adds right answers instead.
 # Every run of this preset and of the changes tried on it: bench/RESULTS.md.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,

@@ -112,10 +112,12 @@ def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
     got, want = normalize_answer(answer), normalize_answer(gold)
     if not want or is_i_dont_know(answer):
         return Verdict(False, "offline", "empty gold answer" if not want else "answered I don't know")
-    asked, core = normalize_answer(question).split(), want.split()
-    while core and core[-1] in asked and "or" not in asked:
-        core = core[:-1]
-    forms = [want] + ([" ".join(core)] if core and len(core) < len(want.split()) else [])
+    asked, words = normalize_answer(question).split(), want.split()
+    core = words
+    if "or" not in asked:
+        while core and core[-1] in asked:
+            core = core[:-1]
+    forms = [want] + ([" ".join(core)] if core and len(core) < len(words) else [])
     found = next((form for form in forms if f" {form} " in f" {got} "), None)
     if found is None:
         return Verdict(False, "offline", "gold answer not in the answer")

@@ -9,8 +9,8 @@ from openai import AsyncOpenAI
 
 from conftest import needs_enron
 from email_agent import questions as qmod
-from email_agent.questions import Question
 from email_agent import rewards
+from email_agent.questions import Question
 from email_agent.rewards import Rubric, shaped_reward
 from email_agent.rollout import Policy, RolloutConfig, rollout
 from scripted_server import ScriptedServer, call, expert_script
