@@ -148,6 +148,16 @@ def without_speculation():
 
 
 @contextlib.contextmanager
+def row_major_keys():
+    """The batch's key cache laid out as transformers lays it out (dim last) instead of positions last."""
+    original, engine.KEYS_TRANSPOSED = engine.KEYS_TRANSPOSED, False
+    try:
+        yield
+    finally:
+        engine.KEYS_TRANSPOSED = original
+
+
+@contextlib.contextmanager
 def in_float32():
     """Weights, activations and the cache in float32 instead of the inference dtype (bfloat16 with AMX)."""
     original = os.environ.get("EMAIL_AGENT_CPU_DTYPE")
@@ -166,6 +176,7 @@ def in_float32():
 CONFIGURATIONS = {
     "all": ("engine (all levers on)", contextlib.nullcontext),
     "cat-cache": ("KV cache grown by torch.cat instead of in place", concatenating_kv_cache),
+    "row-major-keys": ("key cache stored row-major instead of transposed", row_major_keys),
     "prefill-1-thread": ("prefill on 1 thread instead of 2", lambda: engine_threads(1, 1)),
     "decode-2-threads": ("decoding on 2 threads instead of 1", lambda: engine_threads(2, 2)),
     "no-speculation": ("no prompt-lookup speculation (one token per row and forward)", without_speculation),

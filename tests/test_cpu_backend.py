@@ -258,7 +258,8 @@ def test_bfloat16_serving_keeps_the_float32_greedy_tool_call(loop, served, monke
 
 @pytest.mark.slow
 def test_models_served_at_once_share_the_prefill_threads(loop, served, monkeypatch):
-    """Two models served in one process (an evaluation's contestants) never ask for more threads than cores."""
+    """Two models with work at once (an evaluation's contestants) never ask for more threads than cores; once
+    one has nothing left to do, the other prefills on all of them."""
     _, model = served
     asked = []
     real = torch.set_num_threads
@@ -272,12 +273,22 @@ def test_models_served_at_once_share_the_prefill_threads(loop, served, monkeypat
 
     alone = prefill_threads("Which room is the workshop in?")
     other = engine.Worker(max_batch_size=1, name="second-model")
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # keeps the other worker busy until released
+        started.set()
+        release.wait()
     try:
+        holding = loop.create_task(other.call(hold))
+        loop.run_until_complete(asyncio.to_thread(started.wait))
         shared = prefill_threads("Which day is the kickoff?")
+        release.set()
+        loop.run_until_complete(holding)
+        other_idle = prefill_threads("Who approved the budget?")
     finally:
+        release.set()
         other.close()
-        other.close()  # closing twice counts once
-    assert (alone, shared, prefill_threads("Who approved the budget?")) == (2, 1, 2)
+    assert (alone, shared, other_idle, prefill_threads("Who signed the lease?")) == (2, 1, 2, 2)
 
 
 @pytest.mark.slow

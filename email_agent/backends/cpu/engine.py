@@ -34,11 +34,12 @@ from .model import inference_dtype
 # from a second thread, while the event loop (HTTP, templates, the rollouts' tools) needs the other core:
 # OpenMP threads that lose their core to another busy thread stall at every barrier, and small matmuls then
 # take 100x longer. Prefill is large matmuls, bound by arithmetic, and a second thread nearly halves it
-# (bench/bench_serving.py measures both). Workers running at once (an evaluation serves each model with its
-# own) share the prefill threads, so they never ask for more threads than there are cores.
+# (bench/bench_serving.py measures both). Workers with work at the same time (an evaluation serves each model
+# with its own) share the prefill threads, so they never ask for more threads than there are cores; one that
+# has finished its share leaves them all to the others.
 DECODE_THREADS = 1
 PREFILL_THREADS = min(2, os.cpu_count() or 1)
-_live_workers = 0
+_busy_workers: set[Worker] = set()  # workers with rows, requests or calls to run (set.add/discard hold the GIL)
 
 # Speculation. A forward over several positions per row is not free on a CPU: at 8 rows the weights' matmuls
 # are already half compute-bound, and each extra position per row costs ~1/5 of a one-token step. So a step
@@ -52,6 +53,7 @@ ACCEPTANCE_PRIOR, ACCEPTANCE_RATE = 0.5, 0.2  # each row's running estimate that
 # cache (~0.5 s at 8 rows of 1800 columns) and holes cost their share of attention (~0.1 s a step there), so
 # a quarter pays back in ~20 steps; rows that finish compact it anyway, most turns are shorter than that.
 HOLE_SHARE = 0.25
+KEYS_TRANSPOSED = True  # the batch's key cache laid out with positions last (see GrowingLayer)
 
 # Decode forwards, their rows (row_forwards), the tokens those rows emitted, draft tokens proposed and accepted,
 # cache compactions: for benches and tests.
@@ -108,8 +110,6 @@ class Worker:
         self._calls: collections.deque[_Call] = collections.deque()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        global _live_workers
-        _live_workers += 1
 
     def serve(self, model, tokenizer) -> None:
         """Decode with `model` from now on (call it on the worker thread, through `call`)."""
@@ -133,9 +133,6 @@ class Worker:
         return await generation.future
 
     def close(self) -> None:
-        global _live_workers
-        if not self.closing.is_set():
-            _live_workers -= 1
         self.closing.set()
         self._jobs.put(None)
         self._thread.join()
@@ -155,7 +152,13 @@ class Worker:
     def _run(self) -> None:
         torch.set_num_threads(DECODE_THREADS)
         batch = _Batch(self)
-        while self._collect(block=not (batch.rows or self._pending or self._calls)):
+        while True:
+            idle = not (batch.rows or self._pending or self._calls)
+            if idle:
+                _busy_workers.discard(self)
+            if not self._collect(block=idle):
+                break
+            _busy_workers.add(self)
             if self._calls and not batch.rows:
                 job = self._calls.popleft()
                 try:
@@ -173,6 +176,7 @@ class Worker:
                 for job in batch.rows:
                     _settle(job, error=error)
                 batch = _Batch(self)
+        _busy_workers.discard(self)
         shutdown = RuntimeError("the CPU backend was closed")
         for job in [*batch.rows, *self._pending, *self._calls]:
             _settle(job, error=shutdown)
@@ -258,7 +262,7 @@ class _Batch:
         try:
             # Prefill alone (no padding waste, causal-only attention), from the longest cached prefix.
             reused, layers = prefixes.longest(row.prompt_ids)
-            torch.set_num_threads(max(1, PREFILL_THREADS // max(1, _live_workers)))
+            torch.set_num_threads(max(1, PREFILL_THREADS // max(1, len(_busy_workers))))
             try:
                 out = self.worker.model(input_ids=torch.tensor([row.prompt_ids[reused:]]), use_cache=True,
                                         past_key_values=DynamicCache(layers) if layers else None, logits_to_keep=1)
@@ -447,21 +451,27 @@ class GrowingLayer(DynamicLayer):
 
     Appending a decoded token writes one column in place, where transformers' DynamicLayer concatenates
     (torch.cat), copying the whole cache at every step: at 8 rows of 2k tokens that is ~0.7 GB per
-    decoded token, more memory traffic than the model's own weights."""
+    decoded token, more memory traffic than the model's own weights.
+
+    The keys' buffer is stored transposed (position last), so the transposed view attention multiplies by
+    is an ordinary matrix whose rows are longer than its positions. Stored row-major, the spare positions
+    make the view non-contiguous, and bfloat16 matmul copies the whole cache to multiply it: ~5x the cost
+    of a decoding step's attention scores (bench/bench_serving.py, row-major-keys)."""
 
     GROWTH = 128  # spare positions at most, added again whenever they run out
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], width: int, headroom: int) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys[0].dtype, keys[0].device, True
-        self._keys, self.keys = _stack_left_padded(keys, width, headroom)
+        self._keys, self.keys = _stack_left_padded(keys, width, headroom, KEYS_TRANSPOSED)
         self._values, self.values = _stack_left_padded(values, width, headroom)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self.keys.shape[2], self.keys.shape[2] + key_states.shape[2]
         if end > self._keys.shape[2]:
-            self._keys, self.keys = _stack_left_padded([self.keys], start, max(self.GROWTH, end - start))
+            self._keys, self.keys = _stack_left_padded([self.keys], start, max(self.GROWTH, end - start),
+                                                       KEYS_TRANSPOSED)
             self._values, self.values = _stack_left_padded([self.values], start, max(self.GROWTH, end - start))
         self._keys[:, :, start:end] = key_states
         self._values[:, :, start:end] = value_states
@@ -469,11 +479,17 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _stack_left_padded(parts: list[torch.Tensor], width: int, headroom: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stack_left_padded(parts: list[torch.Tensor], width: int, headroom: int, transposed: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view): `parts` stacked along the batch, each right-aligned at `width` (zeros on the left:
-    masked positions, but finite, so they add nothing to the attention), in a buffer `headroom` longer."""
+    masked positions, but finite, so they add nothing to the attention), in a buffer `headroom` longer.
+    Both are [rows, heads, positions, dim]; `transposed` lays the buffer out with positions last."""
     _, heads, _, dim = parts[0].shape
-    buffer = parts[0].new_zeros(sum(part.shape[0] for part in parts), heads, width + headroom, dim)
+    rows = sum(part.shape[0] for part in parts)
+    if transposed:
+        buffer = parts[0].new_zeros(rows, heads, dim, width + headroom).transpose(2, 3)
+    else:
+        buffer = parts[0].new_zeros(rows, heads, width + headroom, dim)
     row = 0
     for part in parts:
         buffer[row:row + part.shape[0], :, width - part.shape[2]:width] = part
