@@ -17,7 +17,8 @@ import urllib.parse
 import pytest
 
 from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, parse_tool_calls, serve_checkpoint
-from email_agent.backends.cpu import engine
+from email_agent.backends.cpu import engine, load_base_model
+from email_agent.backends.cpu import model as model_module
 from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache, propose_draft, verify
 from email_agent.backends.cpu.trainer import without_choice_tool_calls
 
@@ -135,6 +136,33 @@ def test_template_without_tools_or_content():
 # ----------------------------------------------------------------------------------------------
 # Model-backed tests: one event loop and one served backend for the module
 # ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_loads_from_its_kept_conversion_as_from_the_gguf(tmp_path, monkeypatch):
+    """The first load keeps a float32 conversion of the GGUF; later loads read it (the same weights and
+    tokens), and a damaged one is converted again instead of failing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def load():
+        model_module._load_base_model_once.cache_clear()
+        return load_base_model("smollm2")
+    from_gguf, tokenizer = load()
+    converted = list((tmp_path / "email-agent").iterdir())
+    assert [path.name.endswith("-float32") for path in converted] == [True]
+    from_conversion, kept_tokenizer = load()
+    chat = [{"role": "user", "content": "Who approved the Q3 budget? <|im_end|> ünïcode"}]
+    assert kept_tokenizer.apply_chat_template(chat, tools=[SEARCH_TOOL], tokenize=True) == \
+        tokenizer.apply_chat_template(chat, tools=[SEARCH_TOOL], tokenize=True)
+    assert (kept_tokenizer.eos_token, kept_tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>")
+    reference = from_gguf.state_dict()
+    assert all(torch.equal(value, reference[name]) for name, value in from_conversion.state_dict().items())
+
+    weights = next(converted[0].glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])  # a damaged conversion
+    repaired, _ = load()
+    assert torch.equal(repaired.lm_head.weight, from_gguf.lm_head.weight)
+    model_module._load_base_model_once.cache_clear()
+
 
 @pytest.fixture(scope="module")
 def loop():

