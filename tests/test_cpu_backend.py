@@ -8,10 +8,12 @@ backend; training tests get their own backend in a temporary directory.
 import asyncio
 import copy
 import json
+import logging
 import math
 import types
 import socket
 import threading
+import time
 import urllib.parse
 
 import pytest
@@ -138,18 +140,23 @@ def test_template_without_tools_or_content():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_smollm2_loads_from_its_kept_conversion_as_from_the_gguf(tmp_path, monkeypatch):
+def test_smollm2_loads_from_its_kept_conversion_as_from_the_gguf(tmp_path, monkeypatch, caplog):
     """The first load keeps a float32 conversion of the GGUF; later loads read it (the same weights and
     tokens), and a damaged one is converted again instead of failing."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
     def load():
         model_module._load_base_model_once.cache_clear()
-        return load_base_model("smollm2")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=model_module.__name__):
+            return load_base_model("smollm2")
     from_gguf, tokenizer = load()
     converted = list((tmp_path / "email-agent").iterdir())
     assert [path.name.endswith("-float32") for path in converted] == [True]
+    weights = next(converted[0].glob("*.safetensors"))
+    size = weights.stat().st_size
     from_conversion, kept_tokenizer = load()
+    assert "converted from" in caplog.text and "discarding" not in caplog.text
     chat = [{"role": "user", "content": "Who approved the Q3 budget? <|im_end|> ünïcode"}]
     assert kept_tokenizer.apply_chat_template(chat, tools=[SEARCH_TOOL], tokenize=True) == \
         tokenizer.apply_chat_template(chat, tools=[SEARCH_TOOL], tokenize=True)
@@ -157,10 +164,10 @@ def test_smollm2_loads_from_its_kept_conversion_as_from_the_gguf(tmp_path, monke
     reference = from_gguf.state_dict()
     assert all(torch.equal(value, reference[name]) for name, value in from_conversion.state_dict().items())
 
-    weights = next(converted[0].glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:1000])  # a damaged conversion
     repaired, _ = load()
-    assert torch.equal(repaired.lm_head.weight, from_gguf.lm_head.weight)
+    assert "discarding" in caplog.text
+    assert torch.equal(repaired.lm_head.weight, from_gguf.lm_head.weight) and weights.stat().st_size == size
     model_module._load_base_model_once.cache_clear()
 
 
@@ -312,6 +319,9 @@ def test_models_served_at_once_share_the_prefill_threads(loop, served, monkeypat
         shared = prefill_threads("Which day is the kickoff?")
         release.set()
         loop.run_until_complete(holding)
+        deadline = time.monotonic() + 10
+        while other in engine._busy_workers and time.monotonic() < deadline:  # it marks itself idle just after
+            time.sleep(0.01)
         other_idle = prefill_threads("Who approved the budget?")
     finally:
         release.set()
@@ -373,6 +383,9 @@ def test_growing_kv_layer_matches_concatenation_and_grows_past_its_room():
         keys, values = layer.update(new, new * 2)
         reference = torch.cat([reference, new], dim=2)
         assert torch.equal(keys, reference) and torch.equal(values, reference * 2)
+        # Positions last: the transposed keys attention multiplies by are a plain strided matrix, which bfloat16
+        # matmul reads in place (a non-contiguous row-major view it would copy whole at every step).
+        assert keys.transpose(-1, -2).stride(-1) == 1
     assert layer.get_seq_length() == 11
 
 

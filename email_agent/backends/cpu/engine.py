@@ -36,7 +36,8 @@ from .model import inference_dtype
 # take 100x longer. Prefill is large matmuls, bound by arithmetic, and a second thread nearly halves it
 # (bench/bench_serving.py measures both). Workers with work at the same time (an evaluation serves each model
 # with its own) share the prefill threads, so they never ask for more threads than there are cores; one that
-# has finished its share leaves them all to the others.
+# has finished its share leaves them all to the others. (A prefill counts the busy workers when it starts: one
+# that gets work meanwhile can overlap it with a third thread for that one prefill.)
 DECODE_THREADS = 1
 PREFILL_THREADS = min(2, os.cpu_count() or 1)
 _busy_workers: set[Worker] = set()  # workers with rows, requests or calls to run (set.add/discard hold the GIL)
@@ -152,31 +153,33 @@ class Worker:
     def _run(self) -> None:
         torch.set_num_threads(DECODE_THREADS)
         batch = _Batch(self)
-        while True:
-            idle = not (batch.rows or self._pending or self._calls)
-            if idle:
-                _busy_workers.discard(self)
-            if not self._collect(block=idle):
-                break
-            _busy_workers.add(self)
-            if self._calls and not batch.rows:
-                job = self._calls.popleft()
+        try:
+            while True:
+                idle = not (batch.rows or self._pending or self._calls)
+                if idle:
+                    _busy_workers.discard(self)
+                if not self._collect(block=idle):
+                    break
+                _busy_workers.add(self)
+                if self._calls and not batch.rows:
+                    job = self._calls.popleft()
+                    try:
+                        _settle(job, result=job.fn())
+                    except BaseException as error:  # noqa: BLE001 (handed to the awaiting coroutine)
+                        _settle(job, error=error)
+                    continue
                 try:
-                    _settle(job, result=job.fn())
-                except BaseException as error:  # noqa: BLE001 (handed to the awaiting coroutine)
-                    _settle(job, error=error)
-                continue
-            try:
-                # A waiting call stops admissions, so training is not starved by a stream of rollouts.
-                while not self._calls and self._pending and len(batch.rows) < self.max_batch_size:
-                    batch.admit(self._pending.popleft())
-                if batch.rows:
-                    batch.step()
-            except Exception as error:  # noqa: BLE001 (fail this batch's requests, keep serving)
-                for job in batch.rows:
-                    _settle(job, error=error)
-                batch = _Batch(self)
-        _busy_workers.discard(self)
+                    # A waiting call stops admissions, so training is not starved by a stream of rollouts.
+                    while not self._calls and self._pending and len(batch.rows) < self.max_batch_size:
+                        batch.admit(self._pending.popleft())
+                    if batch.rows:
+                        batch.step()
+                except Exception as error:  # noqa: BLE001 (fail this batch's requests, keep serving)
+                    for job in batch.rows:
+                        _settle(job, error=error)
+                    batch = _Batch(self)
+        finally:
+            _busy_workers.discard(self)
         shutdown = RuntimeError("the CPU backend was closed")
         for job in [*batch.rows, *self._pending, *self._calls]:
             _settle(job, error=shutdown)

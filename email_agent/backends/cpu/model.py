@@ -2,7 +2,8 @@
 grouped-query attention used for batched decoding.
 
 Owns what every other module of the CPU backend runs on: `load_base_model` returns a fresh float32 model
-and tokenizer with a tool-capable chat template. It does not own LoRA adapters (see `checkpoints` and
+and tokenizer with a tool-capable chat template (SmolLM2's GGUF is converted once, then read from the
+conversion kept in ~/.cache/email-agent). It does not own LoRA adapters (see `checkpoints` and
 `trainer`), generation (`engine`) or serving (`server`).
 """
 
@@ -172,19 +173,19 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def converted_directory(gguf: Path) -> Path:
-    """Where the GGUF's float32 conversion is kept: under $XDG_CACHE_HOME (~/.cache), named after the file and
-    its size, so another GGUF never reads a stale conversion."""
+def _converted_directory(gguf: Path) -> Path:
+    """Where the GGUF's float32 conversion is kept: under $XDG_CACHE_HOME (~/.cache), named after the file, its
+    size and the transformers that converted it, so another GGUF or converter never reads a stale conversion."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "email-agent" / f"{gguf.stem}-{gguf.stat().st_size}-float32"
+    return cache / "email-agent" / f"{gguf.stem}-{gguf.stat().st_size}-transformers{transformers.__version__}-float32"
 
 
 def _load_smollm2(gguf: Path) -> tuple[Any, Any]:
     """The GGUF as a float32 model and its tokenizer, from the conversion a first load saved (~1 s) or from the
-    GGUF itself (~17 s on two cores: gguf parses the file's 49k-token vocabulary three times, once each for the
-    tokenizer, the config and the weights). The conversion holds the same weights and tokenizer, and is written
+    GGUF itself (~17 s on two cores, ~5 of them for the tokenizer, the rest for reading and de-quantising the
+    weights). The conversion holds the same weights and tokenizer, and is written
     to a temporary folder then renamed, so a run killed mid-write leaves nothing half-written behind."""
-    converted = converted_directory(gguf)
+    converted = _converted_directory(gguf)
     if converted.is_dir():
         try:
             logger.info("loading %s (float32, converted from %s)", converted, gguf.name)
@@ -205,7 +206,7 @@ def _load_smollm2(gguf: Path) -> tuple[Any, Any]:
             model.save_pretrained(temporary)
             tokenizer.save_pretrained(temporary)
             os.replace(temporary, converted)
-    except OSError as error:  # a read-only or full disk costs the next load its speed, nothing else
+    except Exception as error:  # noqa: BLE001 (a read-only or full disk, whatever the writer raises, costs speed only)
         if not converted.is_dir():  # (else another process kept it first)
             logger.warning("could not keep the float32 conversion in %s (%s)", converted, error)
     return model, tokenizer
