@@ -32,6 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -111,76 +112,31 @@ async def agent_episodes(checkpoint: str, db: EmailDB, questions) -> dict:
             "correct": sum(t.metrics["answer_correct"] for t in trajectories)}
 
 
-@contextlib.contextmanager
-def concatenating_kv_cache():
-    """The engine before its growing cache: every decode step torch.cat's each layer's whole KV cache."""
-    def dynamic_cache(keys, values, width, rows):
-        def stack(parts):
-            return torch.cat([torch.nn.functional.pad(p, (0, 0, width - p.shape[2], 0)) for p in parts])
-        return DynamicCache([(stack(k), stack(v)) for k, v in zip(keys, values)])
-
-    original, engine._cache = engine._cache, dynamic_cache
-    try:
-        yield
-    finally:
-        engine._cache = original
+def concatenated_cache(keys, values, width, rows):
+    """The engine's batch cache before its growing layers: every decode step torch.cat's each layer's whole
+    KV cache (stands in for `engine._cache`)."""
+    def stack(parts):
+        return torch.cat([torch.nn.functional.pad(p, (0, 0, width - p.shape[2], 0)) for p in parts])
+    return DynamicCache([(stack(k), stack(v)) for k, v in zip(keys, values)])
 
 
-@contextlib.contextmanager
-def engine_threads(prefill: int, decode: int):
-    """Intra-op threads for prefill and for decoding (the engine's defaults: 2 and 1 on two cores)."""
-    original = engine.PREFILL_THREADS, engine.DECODE_THREADS
-    engine.PREFILL_THREADS, engine.DECODE_THREADS = prefill, decode
-    try:
-        yield
-    finally:
-        engine.PREFILL_THREADS, engine.DECODE_THREADS = original
-
-
-@contextlib.contextmanager
-def without_speculation():
-    """One token per row and forward: no prompt-lookup drafts."""
-    original, engine.DRAFT_TOKENS = engine.DRAFT_TOKENS, 0
-    try:
-        yield
-    finally:
-        engine.DRAFT_TOKENS = original
-
-
-@contextlib.contextmanager
-def row_major_keys():
-    """The batch's key cache laid out as transformers lays it out (dim last) instead of positions last."""
-    original, engine.KEYS_TRANSPOSED = engine.KEYS_TRANSPOSED, False
-    try:
-        yield
-    finally:
-        engine.KEYS_TRANSPOSED = original
-
-
-@contextlib.contextmanager
-def in_float32():
-    """Weights, activations and the cache in float32 instead of the inference dtype (bfloat16 with AMX)."""
-    original = os.environ.get("EMAIL_AGENT_CPU_DTYPE")
-    os.environ["EMAIL_AGENT_CPU_DTYPE"] = "float32"
-    try:
-        yield
-    finally:
-        if original is None:
-            del os.environ["EMAIL_AGENT_CPU_DTYPE"]
-        else:
-            os.environ["EMAIL_AGENT_CPU_DTYPE"] = original
-
-
-# name -> context manager that switches one lever off (or an alternative on). The first one run is the
+# name -> context manager that switches one lever off (or an alternative on) by patching the engine's settings
+# (the engine's defaults: prefill on 2 threads, decoding on 1, on two cores). The first one run is the
 # reference for greedy agreement.
 CONFIGURATIONS = {
     "all": ("engine (all levers on)", contextlib.nullcontext),
-    "cat-cache": ("KV cache grown by torch.cat instead of in place", concatenating_kv_cache),
-    "row-major-keys": ("key cache stored row-major instead of transposed", row_major_keys),
-    "prefill-1-thread": ("prefill on 1 thread instead of 2", lambda: engine_threads(1, 1)),
-    "decode-2-threads": ("decoding on 2 threads instead of 1", lambda: engine_threads(2, 2)),
-    "no-speculation": ("no prompt-lookup speculation (one token per row and forward)", without_speculation),
-    "float32": ("float32 instead of bfloat16", in_float32),
+    "cat-cache": ("KV cache grown by torch.cat instead of in place",
+                  lambda: mock.patch.object(engine, "_cache", concatenated_cache)),
+    "row-major-keys": ("key cache stored row-major instead of transposed",
+                       lambda: mock.patch.object(engine, "KEYS_TRANSPOSED", False)),
+    "prefill-1-thread": ("prefill on 1 thread instead of 2",
+                         lambda: mock.patch.multiple(engine, PREFILL_THREADS=1, DECODE_THREADS=1)),
+    "decode-2-threads": ("decoding on 2 threads instead of 1",
+                         lambda: mock.patch.multiple(engine, PREFILL_THREADS=2, DECODE_THREADS=2)),
+    "no-speculation": ("no prompt-lookup speculation (one token per row and forward)",
+                       lambda: mock.patch.object(engine, "DRAFT_TOKENS", 0)),
+    "float32": ("float32 instead of bfloat16 (weights, activations and the cache)",
+                lambda: mock.patch.dict(os.environ, {"EMAIL_AGENT_CPU_DTYPE": "float32"})),
 }
 
 

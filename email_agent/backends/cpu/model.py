@@ -183,8 +183,8 @@ def _converted_directory(gguf: Path) -> Path:
 def _load_smollm2(gguf: Path) -> tuple[Any, Any]:
     """The GGUF as a float32 model and its tokenizer, from the conversion a first load saved (~1 s) or from the
     GGUF itself (~17 s on two cores, ~5 of them for the tokenizer, the rest for reading and de-quantising the
-    weights). The conversion holds the same weights and tokenizer, and is written
-    to a temporary folder then renamed, so a run killed mid-write leaves nothing half-written behind."""
+    weights). The conversion holds the same weights and tokenizer, and is written to a temporary folder then
+    renamed, so a run killed mid-write leaves nothing half-written behind."""
     converted = _converted_directory(gguf)
     if converted.is_dir():
         try:
