@@ -378,6 +378,7 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
             "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
             "episode": asdict(contestant.shape), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
+            "concurrency": contestant.policy.max_concurrency,
             "metrics": dict(m), "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
             "error": meta.get("error"), "messages": traj.messages()}
 

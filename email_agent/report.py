@@ -106,6 +106,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "tool_choice": first.get("tool_choice"),
         "episode": first.get("episode"),
         "backend": first.get("backend"),
+        "concurrency": first.get("concurrency"),
         "sources_correct": _mean(_metric(scored, "sources_correct")),
         "hallucination_rate": _mean(_metric(scored, "hallucinated")),
         "idk_rate": _mean(_metric(scored, "returned_i_dont_know")),
@@ -207,11 +208,12 @@ def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """How each model played: its backend, tool_choice and episode shape (they differ between models)."""
-    header = ["Model", "Served by", "tool_choice", "Turns", "Tokens / reply", "Body chars", "Results / search"]
+    header = ["Model", "Served by", "Requests in flight", "tool_choice", "Turns", "Tokens / reply", "Body chars",
+              "Results / search"]
     rows = []
     for label, s in summary["models"].items():
         shape = s.get("episode") or {}
-        rows.append([label, s.get("backend") or DASH, s.get("tool_choice") or DASH,
+        rows.append([label, s.get("backend") or DASH, str(s.get("concurrency") or DASH), s.get("tool_choice") or DASH,
                      *(str(shape.get(k, DASH)) for k in ("max_turns", "max_tokens", "max_body_chars", "search_results"))])
     return header, rows
 
@@ -231,8 +233,10 @@ def _pair_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 NOTES = ("Accuracy counts errored rollouts (the model's API failed; see Errors) as wrong, with a 95% Wilson "
          "interval; \"Accuracy of scored\" leaves them out, as do the other means. Valid tool calls = valid calls / "
          "(calls + turns that made no call). Prompted models are sent tool_choice=\"required\"; trained models "
-         "choose (\"auto\"), as they were trained. Cost is per 1,000 questions and shown only when every scored "
-         "record has a price.")
+         "choose (\"auto\"), as they were trained. Latency is a model's time per episode over all its turns, from "
+         "each request's sending to its reply, at the requests in flight shown under \"How each model played\" "
+         "(the CPU backend decodes them as one batch); waiting for a free slot is not counted. Cost is per 1,000 "
+         "questions and shown only when every scored record has a price.")
 PAIR_NOTE = ("Exact McNemar test on correctness over the questions both models played: only the questions one "
              "got right and the other wrong count. p < 0.05: the difference is unlikely to be chance.")
 

@@ -57,7 +57,7 @@ class Rubric:
     judge_error: int = 0  # the judge failed; the offline matcher decided instead
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    latency_s: float = 0.0  # time waiting for the policy
+    latency_s: float = 0.0  # seconds the policy took to reply, summed over turns (not waits for a request slot)
     env_s: float = 0.0  # time in tools and bookkeeping
 
     @property

@@ -17,6 +17,7 @@ from typing import Callable
 import art
 import openai
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletion
 
 from . import rewards
 from .data import EmailDB
@@ -61,7 +62,10 @@ class Policy:
                              timeout=kwargs.pop("timeout", 300.0), max_retries=kwargs.pop("max_retries", 2))
         return cls(client, model.get_inference_name(), **kwargs)
 
-    async def complete(self, messages: list[dict]):
+    async def complete(self, messages: list[dict]) -> tuple[ChatCompletion, float]:
+        """The reply, and the seconds from sending the request to the reply. At most `max_concurrency`
+        requests are in flight; time spent waiting for one of those slots is not counted (it measures how
+        many episodes were started at once, not the model)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_concurrency)
         request = {"model": self.model, "messages": messages, "tools": TOOLS,
@@ -73,7 +77,9 @@ class Policy:
         if self.tool_choice:
             request["tool_choice"] = self.tool_choice
         async with self._slots:
-            return await self.client.chat.completions.create(**request)
+            started = time.perf_counter()
+            response = await self.client.chat.completions.create(**request)
+            return response, time.perf_counter() - started
 
 
 @dataclass
@@ -121,15 +127,13 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
     answer, sources, error = None, [], None
 
     while answer is None and rubric.num_turns < config.max_turns:
-        started = time.perf_counter()
         try:
-            response = await policy.complete(messages)
+            response, seconds = await policy.complete(messages)
         except openai.APIError as exc:  # after the client's own retries: timeouts, 4xx/5xx, refused connections
             rubric.api_errors += 1
             error = f"policy API error: {type(exc).__name__}: {redact(str(exc)[:300])}"
-            rubric.latency_s += time.perf_counter() - started
             break
-        rubric.latency_s += time.perf_counter() - started
+        rubric.latency_s += seconds
         env_started = time.perf_counter()
         rubric.num_turns += 1
         if response.usage:

@@ -60,7 +60,10 @@ class ExpertPolicy:
         self.answers = {q.question: q.answer for q in questions}
         self.max_turns = max_turns
 
-    async def complete(self, messages: list[dict]) -> ChatCompletion:
+    async def complete(self, messages: list[dict]) -> tuple[ChatCompletion, float]:
+        return self._reply(messages), 0.0  # no model: no time spent
+
+    def _reply(self, messages: list[dict]) -> ChatCompletion:
         question = next(m["content"] for m in messages if m["role"] == "user")
         answer = self.answers[question]
         last_turn = self.max_turns is not None and sum(m["role"] == "assistant" for m in messages) >= self.max_turns - 1

@@ -239,7 +239,8 @@ def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_que
         monkeypatch.setattr(backends, "make_backend",
                             lambda name, cfg: made.append(ServingBackend(server.base_url, name, cfg)) or made[-1])
         rc = run_cli("--db", demo_db_path, "--model", "gpu@1", "--model", "hosted_vllm/expert", "--base-url",
-                     server.base_url, "--limit", 2, "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
+                     server.base_url, "--limit", 2, "--output", tmp_path / "out", "--art-dir", tmp_path / "art",
+                     "--concurrency", 3)
         requests, adapters = list(server.requests), list(server.adapters)
     assert rc == 0
     (backend,) = made
@@ -260,6 +261,7 @@ def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_que
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["models"]["gpu@1"]["episode"] == GPU_SHAPE and summary["models"]["gpu@1"]["backend"] == "local"
     assert summary["models"]["gpu@1"]["tool_choice"] == "auto"
+    assert summary["models"]["gpu@1"]["concurrency"] == summary["models"]["hosted_vllm/expert"]["concurrency"] == 3
     assert summary["models"]["hosted_vllm/expert"]["tool_choice"] == "required"
     assert [(p["a"], p["b"]) for p in summary["pairs"]] == [("gpu@1", "hosted_vllm/expert")]
 

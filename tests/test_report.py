@@ -111,7 +111,7 @@ def test_paired_mcnemar_for_every_pair_in_summary_and_reports(tmp_path):
 
 
 def test_report_states_tool_choice_and_episode_shape(tmp_path):
-    trained = dict(_rec("run@3", 1), tool_choice="auto", backend="cpu",
+    trained = dict(_rec("run@3", 1), tool_choice="auto", backend="cpu", concurrency=8,
                    episode={"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3})
     prompted = dict(_rec("openai/o4-mini", 1), tool_choice="required", backend="api",
                     episode={"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10})
@@ -120,8 +120,9 @@ def test_report_states_tool_choice_and_episode_shape(tmp_path):
     assert s["models"]["run@3"]["episode"]["max_turns"] == 4
     write_report(tmp_path, [trained, prompted], s)
     md = (tmp_path / "report.md").read_text()
-    assert "| run@3 | cpu | auto | 4 | 64 | 600 | 3 |" in md
-    assert "| openai/o4-mini | api | required | 10 | 1024 | 4000 | 10 |" in md
+    assert "| run@3 | cpu | 8 | auto | 4 | 64 | 600 | 3 |" in md
+    assert "| openai/o4-mini | api | — | required | 10 | 1024 | 4000 | 10 |" in md  # records from before it was kept
+    assert "waiting for a free slot is not counted" in md
     assert "counts errored rollouts" in md and "turns that made no call" in md
 
 

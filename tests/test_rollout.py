@@ -151,6 +151,25 @@ def test_concurrent_rollouts(demo_db):
     assert all(t.metrics["sources_correct"] == 1 and t.metrics["answer_correct"] == 1 for t in trajs)
 
 
+def test_latency_counts_the_model_not_the_wait_for_a_request_slot(demo_db):
+    qs = qmod.select_questions(demo_db, "train", limit=4)
+    answer = {"sleep": 0.3, **call("return_final_answer", {"answer": "I don't know", "sources": []})}
+
+    async def one_slot():
+        async with ScriptedServer({x.question: [answer] for x in qs}) as server:
+            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
+            policy = Policy(client, "scripted", max_concurrency=1)
+            started = asyncio.get_running_loop().time()
+            trajs = await asyncio.gather(*(rollout(policy, x, demo_db, RolloutConfig()) for x in qs))
+            await client.close()
+            return trajs, asyncio.get_running_loop().time() - started
+
+    trajs, wall = run(one_slot())
+    assert wall >= 4 * 0.3  # the episodes really queued for the one slot
+    # each episode's own request took ~0.3 s; the last one waited ~0.9 s before it was sent
+    assert all(0.3 <= t.metrics["latency_s"] < 0.6 for t in trajs), [t.metrics["latency_s"] for t in trajs]
+
+
 @pytest.mark.parametrize("penalty", [1.0, 2.0, 4.0])
 def test_reward_ordering_holds_everywhere(penalty):
     """correct > "I don't know" > wrong with the same partial credit and penalties; a sound abstention (a search
