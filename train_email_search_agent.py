@@ -406,6 +406,7 @@ async def train(cfg: TrainConfig) -> None:
         if cfg.sft_only:
             return
         idle_steps = 0  # steps in a row that trained on nothing
+        trainable_shares, warned_low_variance = [], False
         for batch in batches:
             if cfg.max_steps and batch.step >= cfg.max_steps:
                 break
@@ -429,6 +430,11 @@ async def train(cfg: TrainConfig) -> None:
             if idle_steps >= preflight.IDLE_STEPS_WARNING:
                 print(f"warning: {idle_steps} steps in a row trained on nothing: {preflight.idle_cause(health)}",
                       file=sys.stderr, flush=True)
+            trainable_shares.append(learned["trainable_group_share"])
+            low_variance = preflight.low_variance_warning(trainable_shares, cfg.temperature)
+            if low_variance and not warned_low_variance:
+                print(f"warning: {low_variance}", file=sys.stderr, flush=True)
+                warned_low_variance = True
         step = await model.get_step()
         if val_questions:
             print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")

@@ -22,6 +22,7 @@ MIN_TRAINABLE_SHARE = 0.25  # share of groups with reward variance
 MAX_JUDGE_ERROR_SHARE = 0.5  # share of judged answers (or RULER groups) the judge failed on
 WARN_TRAINABLE_SHARE = 0.5
 IDLE_STEPS_WARNING = 3  # this many steps in a row that trained on nothing print a warning
+LOW_VARIANCE_STEPS = 5  # steps over which under WARN_TRAINABLE_SHARE of groups with reward variance warns
 
 
 @dataclass
@@ -145,6 +146,19 @@ def idle_cause(h: Health) -> str:
         return (f"no rollout made a valid tool call, so every rollout of a question got the same reward "
                 f"(mean {h.mean_reward:+.2f})")
     return f"every rollout of each question got the same reward (mean {h.mean_reward:+.2f})"
+
+
+def low_variance_warning(trainable_shares: list[float], temperature: float | None) -> str | None:
+    """A warning when, over the last `LOW_VARIANCE_STEPS` steps, under `WARN_TRAINABLE_SHARE` of the groups
+    had reward variance: the policy plays most questions alike in every rollout, so most of each step's
+    rollouts teach nothing. Run S of bench/RESULTS.md: a two-epoch warm start sampled at 0.7 gave 37%."""
+    recent = trainable_shares[-LOW_VARIANCE_STEPS:]
+    if len(recent) < LOW_VARIANCE_STEPS or sum(recent) / len(recent) >= WARN_TRAINABLE_SHARE:
+        return None
+    fix = ("raise --temperature (1.0 samples the policy as it is) or --rollouts-per-group"
+           if temperature is not None and temperature < 1.0 else "raise --rollouts-per-group")
+    return (f"only {sum(recent) / len(recent):.0%} of the groups of the last {len(recent)} steps had reward variance: "
+            f"the policy answers most questions the same way in every rollout, and those groups teach nothing; {fix}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -210,3 +210,14 @@ def test_untrained_cpu_model_gets_cannot_learn(demo_db_path, tmp_path):
     run = art_dir / "email-agent" / "models" / "raw"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000"]  # nothing trained
     assert not (run / "history.jsonl").exists()
+
+
+def test_a_run_whose_groups_mostly_lack_reward_variance_is_told_to_sample_more_widely():
+    run_s = [0.67, 0.33, 0.67, 0.0, 0.17]  # bench/RESULTS.md run S, temperature 0.7: 37% over five steps
+    warning = preflight.low_variance_warning(run_s, 0.7)
+    assert warning.startswith("only 37% of the groups of the last 5 steps had reward variance")
+    assert "--temperature" in warning
+    assert "--temperature" not in preflight.low_variance_warning(run_s, 1.0)  # already samples as trained
+    assert preflight.low_variance_warning(run_s[:4], 0.7) is None  # too few steps to tell
+    run_t1 = [1.0, 0.83, 0.5, 0.67, 0.67]  # run T1, temperature 1.0: 73%
+    assert preflight.low_variance_warning(run_s + run_t1, 0.7) is None  # only the last five steps count
