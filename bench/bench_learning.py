@@ -8,8 +8,8 @@ demo expert on the *train* split: its successful episodes and its abstentions, t
 constant 1e-3, as in runs Q and Q1); train again (the same run resumes with GRPO, sampled at temperature
 1.0 as in run T1); then one evaluation of the warm-started checkpoint and the final checkpoint (and the
 base model with --with-base) on held-out *test* questions (all 144 of the demo inbox's), which writes the
-usual report (before/after table with 95% CIs, learning curve). Prints the table, an exact McNemar test of final vs. warm start on
-the same questions, the validation curve, and the wall time of each phase.
+usual report (before/after table with 95% CIs, learning curve). Prints the table, an exact McNemar test of
+final vs. warm start on the same questions, the validation curve, and the wall time of each phase.
 Targets (issue 12): final accuracy >= 60%, hallucination <= 15%, valid tool calls >= 95% (turns without a
 call count as invalid), GRPO beats the warm start with p < 0.05, within 45 minutes on 2 cores.
 Report every run, not the best one.

@@ -153,11 +153,12 @@ def low_variance_warning(trainable_shares: list[float], temperature: float | Non
     had reward variance: the policy plays most questions alike in every rollout, so most of each step's
     rollouts teach nothing. Run S of bench/RESULTS.md: a two-epoch warm start sampled at 0.7 gave 37%."""
     recent = trainable_shares[-LOW_VARIANCE_STEPS:]
-    if len(recent) < LOW_VARIANCE_STEPS or sum(recent) / len(recent) >= WARN_TRAINABLE_SHARE:
+    share = sum(recent) / len(recent) if recent else 0.0
+    if len(recent) < LOW_VARIANCE_STEPS or share >= WARN_TRAINABLE_SHARE:
         return None
     fix = ("raise --temperature (1.0 samples the policy as it is) or --rollouts-per-group"
            if temperature is not None and temperature < 1.0 else "raise --rollouts-per-group")
-    return (f"only {sum(recent) / len(recent):.0%} of the groups of the last {len(recent)} steps had reward variance: "
+    return (f"only {share:.0%} of the groups of the last {len(recent)} steps had reward variance: "
             f"the policy answers most questions the same way in every rollout, and those groups teach nothing; {fix}")
 
 
