@@ -106,6 +106,10 @@ def main() -> None:
             f"{s['accuracy']:.1%} [{s['accuracy_ci'][0]:.1%}-{s['accuracy_ci'][1]:.1%}]"
         valid = "n/a" if s["valid_tool_call_rate"] is None else f"{s['valid_tool_call_rate']:.1%}"
         print(f"{label:<22}{s['n']:>5}{acc:>24}{valid:>13}{s['hallucination_rate']:>9.1%}{s['avg_turns']:>7.2f}")
+    from email_agent.report import OUTCOMES
+    print("\nwhere answers went wrong (episodes):")
+    for label, s in summary.items():
+        print(f"  {label}: " + "; ".join(f"{OUTCOMES[k]} {s['outcomes'][k]}" for k in OUTCOMES))
     results = work / "report" / "results.jsonl"
     print(strict_valid_rates(results))
     print(paired_test(results, f"learn@{sft_step}"))

@@ -86,6 +86,32 @@ def _correct(r: dict) -> bool:
     return not r.get("error") and bool((r.get("metrics") or {}).get("answer_correct"))
 
 
+# Where each episode ended, by how close the agent came to the gold email: "wrong after reading it" is a
+# reading failure (the answer was in front of the agent), "never listed" a search failure.
+OUTCOMES = {
+    "right": "Right",
+    "wrong_read": "Wrong, gold email read",
+    "wrong_listed": "Wrong, gold email listed, not read",
+    "wrong_unseen": "Wrong, gold email never listed",
+    "idk_seen": "\"I don't know\", gold email listed or read",
+    "idk_unseen": "\"I don't know\", gold email never listed",
+    "no_answer": "No answer (out of turns or error)",
+}
+
+
+def episode_outcome(r: dict) -> str:
+    """The OUTCOMES key of one result record."""
+    m = r.get("metrics") or {}
+    seen = "read" if m.get("ever_read_right_email") else "listed" if m.get("ever_found_right_email") else "unseen"
+    if _correct(r):
+        return "right"
+    if r.get("error") or not (m.get("attempted_answer") or m.get("returned_i_dont_know")):
+        return "no_answer"
+    if m.get("attempted_answer"):
+        return f"wrong_{seen}"
+    return "idk_unseen" if seen == "unseen" else "idk_seen"
+
+
 def _summarize_model(records: list[dict]) -> dict:
     # Accuracy counts an errored rollout (the model's API failed) as a wrong answer: a model that times out
     # on the hard questions must not look better for it. The scored-only accuracy stands beside it. Every
@@ -120,6 +146,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "mean_reward": _mean([float(r["reward"]) for r in scored if r.get("reward") is not None]),
         "cost_per_1k_usd": 1000 * sum(costs) / len(costs) if known_cost else None,
         "judge_errors": sum(1 for r in records if (r.get("verdict") or {}).get("error")),
+        "outcomes": {key: sum(episode_outcome(r) == key for r in records) for key in OUTCOMES},
     }
 
 
@@ -218,6 +245,15 @@ def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _outcome_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
+    rows = []
+    for label, s in summary["models"].items():
+        counts = s.get("outcomes") or {}
+        rows.append([label, *(f"{counts.get(k, 0)} ({counts.get(k, 0) / s['n']:.0%})" if s["n"] else DASH
+                              for k in OUTCOMES)])
+    return ["Model", *OUTCOMES.values()], rows
+
+
 def _pair_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     header = ["A", "B", "Shared questions", "Only A right", "Only B right", "McNemar p", "Verdict"]
     rows = []
@@ -237,6 +273,9 @@ NOTES = ("Accuracy counts errored rollouts (the model's API failed; see Errors) 
          "each request's sending to its reply, at the requests in flight shown under \"How each model played\" "
          "(the CPU backend decodes them as one batch); waiting for a free slot is not counted. Cost is per 1,000 "
          "questions and shown only when every scored record has a price.")
+OUTCOME_NOTE = ("Each episode by how close the agent came to the gold email (the one that holds the answer): "
+                "wrong answers after reading it are reading failures, after a search listed it unread choosing "
+                "failures, without it ever listed search failures.")
 PAIR_NOTE = ("Exact McNemar test on correctness over the questions both models played: only the questions one "
              "got right and the other wrong count. p < 0.05: the difference is unlikely to be chance.")
 
@@ -288,6 +327,7 @@ def _markdown(title, records, summary, histories) -> str:
     lines = [f"# {redact(title)}", "", _when_what(records, summary), "", "## Comparison", ""]
     lines += _md_table(*_comparison_rows(summary))
     lines += ["", NOTES, "", "## How each model played", ""] + _md_table(*_setup_rows(summary))
+    lines += ["", "## Where answers went wrong", ""] + _md_table(*_outcome_rows(summary)) + ["", OUTCOME_NOTE]
     if summary.get("pairs"):
         lines += ["", "## Paired comparison", ""] + _md_table(*_pair_rows(summary)) + ["", PAIR_NOTE]
     if histories:
@@ -499,6 +539,8 @@ def _html(title, records, summary, histories) -> str:
              f"<style>{_CSS}</style></head><body><h1>{_esc(title)}</h1><p>{_esc(_when_what(records, summary))}</p>",
              "<h2>Comparison</h2>", table,
              f"<p class=\"meta\">{_esc(NOTES)}</p>", "<h2>How each model played</h2>", _html_table(*_setup_rows(summary)),
+             "<h2>Where answers went wrong</h2>", _html_table(*_outcome_rows(summary)),
+             f"<p class=\"meta\">{_esc(OUTCOME_NOTE)}</p>",
              *(["<h2>Paired comparison</h2>", _html_table(*_pair_rows(summary)), f"<p class=\"meta\">{_esc(PAIR_NOTE)}</p>"]
                if summary.get("pairs") else []),
              "<h2>Charts</h2><div>", *charts, "</div>"]

@@ -71,6 +71,26 @@ def test_summarize_two_models(records):
     assert (b["n"], b["n_errors"], b["accuracy"]) == (2, 0, 0.5)
 
 
+def test_outcomes_say_how_close_each_episode_came_to_the_gold_email(tmp_path):
+    def rec(qid, *, read=0, listed=0, out_of_turns=False, **kw):
+        r = _rec("m", qid, **kw)
+        r["metrics"].update(ever_read_right_email=read, ever_found_right_email=listed or read)
+        if out_of_turns:
+            r["metrics"].update(attempted_answer=0, returned_i_dont_know=0, ran_out_of_turns=1)
+        return r
+
+    records = [rec(1, read=1), rec(2, correct=0, halluc=1, read=1), rec(3, correct=0, halluc=1, read=1),
+               rec(4, correct=0, halluc=1, listed=1), rec(5, correct=0, halluc=1),
+               rec(6, correct=0, idk=1, listed=1), rec(7, correct=0, idk=1), rec(8, correct=0, out_of_turns=True),
+               _rec("m", 9, error="rollout crashed")]
+    outcomes = summarize(records)["models"]["m"]["outcomes"]
+    assert outcomes == {"right": 1, "wrong_read": 2, "wrong_listed": 1, "wrong_unseen": 1, "idk_seen": 1,
+                        "idk_unseen": 1, "no_answer": 2}
+    md = write_report(tmp_path, records, summarize(records))["markdown"].read_text()
+    assert "| m | 1 (11%) | 2 (22%) | 1 (11%) | 1 (11%) | 1 (11%) | 1 (11%) | 2 (22%) |" in md
+    assert "Where answers went wrong" in (tmp_path / "report.html").read_text()
+
+
 def test_summarize_all_errored_model_is_all_wrong():
     m = summarize([_rec("x", 1, error="crash")])["models"]["x"]
     assert m["accuracy"] == 0.0 and m["accuracy_scored"] is None and m["n_errors"] == 1
