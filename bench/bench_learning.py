@@ -42,6 +42,8 @@ def main() -> None:
                         help="held-out test questions (144: all of the demo inbox's; runs F-Q2: the first 100)")
     parser.add_argument("--sft-limit", type=int, default=0, help="warm-start episodes (0: all the expert's)")
     parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-R: 1; Q, Q1: 2)")
+    parser.add_argument("--sft-learning-rate", type=float, default=1e-3,
+                        help="warm-start learning rate, constant (the demo preset's 1e-3)")
     parser.add_argument("--rl-steps", type=int, default=10, help="GRPO steps (runs F-R: 14)")
     parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
@@ -75,6 +77,7 @@ def main() -> None:
     train = ["train_email_search_agent.py", "train", "--demo", "--db", str(db), "--art-dir", str(art_dir),
              "--name", "learn", "--keep-checkpoints", "all", "--val-size", "16", *shape,
              "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs),
+             "--sft-learning-rate", str(args.sft_learning_rate),
              "--cpu-train-threads", str(args.cpu_train_threads), "--seed", str(args.seed)]
     times = {}
     started = time.perf_counter()
