@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--test-questions", type=int, default=144,
                         help="held-out test questions (144: all of the demo inbox's; runs F-Q2: the first 100)")
     parser.add_argument("--sft-limit", type=int, default=0, help="warm-start episodes (0: all the expert's)")
-    parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-R: 1; Q, Q1: 2)")
+    parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-R: 1; Q-U, W: 2; V: 4)")
     parser.add_argument("--sft-learning-rate", type=float, default=1e-3,
                         help="warm-start learning rate, constant (the demo preset's 1e-3)")
     parser.add_argument("--rl-steps", type=int, default=10, help="GRPO steps (runs F-R: 14)")
