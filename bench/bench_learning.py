@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from email_agent.report import OUTCOMES, mcnemar_exact  # noqa: E402
+
 
 def run(label: str, *args: str) -> float:
     print(f"--- {label}: {' '.join(args)}", flush=True)
@@ -109,7 +111,6 @@ def main() -> None:
             f"{s['accuracy']:.1%} [{s['accuracy_ci'][0]:.1%}-{s['accuracy_ci'][1]:.1%}]"
         valid = "n/a" if s["valid_tool_call_rate"] is None else f"{s['valid_tool_call_rate']:.1%}"
         print(f"{label:<22}{s['n']:>5}{acc:>24}{valid:>13}{s['hallucination_rate']:>9.1%}{s['avg_turns']:>7.2f}")
-    from email_agent.report import OUTCOMES
     print("\nwhere answers went wrong (episodes):")
     for label, s in summary.items():
         print(f"  {label}: " + "; ".join(f"{OUTCOMES[k]} {s['outcomes'][k]}" for k in OUTCOMES))
@@ -142,8 +143,6 @@ def strict_valid_rates(results_path: Path) -> str:
 
 def paired_test(results_path: Path, warm_label: str) -> str:
     """Exact McNemar test of the final checkpoint against the warm start on the questions both answered."""
-    from email_agent.report import mcnemar_exact
-
     correct: dict[str, dict] = {}
     for line in results_path.read_text().splitlines():
         if line.strip():

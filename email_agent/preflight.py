@@ -153,8 +153,10 @@ def low_variance_warning(trainable_shares: list[float], temperature: float | Non
     had reward variance: the policy plays most questions alike in every rollout, so most of each step's
     rollouts teach nothing. Run S of bench/RESULTS.md: a two-epoch warm start sampled at 0.7 gave 37%."""
     recent = trainable_shares[-LOW_VARIANCE_STEPS:]
-    share = sum(recent) / len(recent) if recent else 0.0
-    if len(recent) < LOW_VARIANCE_STEPS or share >= WARN_TRAINABLE_SHARE:
+    if len(recent) < LOW_VARIANCE_STEPS:
+        return None
+    share = sum(recent) / len(recent)
+    if share >= WARN_TRAINABLE_SHARE:
         return None
     fix = ("raise --temperature (1.0 samples the policy as it is) or --rollouts-per-group"
            if temperature is not None and temperature < 1.0 else "raise --rollouts-per-group")

@@ -15,6 +15,7 @@ import html
 import json
 import math
 import re
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -122,6 +123,7 @@ def _summarize_model(records: list[dict]) -> dict:
     costs = [r.get("cost_usd") for r in scored]
     known_cost = bool(scored) and all(c is not None for c in costs)
     first = records[0] if records else {}
+    outcomes = Counter(map(episode_outcome, records))
     return {
         "n": len(records),
         "n_errors": len(records) - len(scored),
@@ -146,7 +148,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "mean_reward": _mean([float(r["reward"]) for r in scored if r.get("reward") is not None]),
         "cost_per_1k_usd": 1000 * sum(costs) / len(costs) if known_cost else None,
         "judge_errors": sum(1 for r in records if (r.get("verdict") or {}).get("error")),
-        "outcomes": {key: sum(episode_outcome(r) == key for r in records) for key in OUTCOMES},
+        "outcomes": {key: outcomes[key] for key in OUTCOMES},
     }
 
 
@@ -246,11 +248,8 @@ def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def _outcome_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    rows = []
-    for label, s in summary["models"].items():
-        counts = s.get("outcomes") or {}
-        rows.append([label, *(f"{counts.get(k, 0)} ({counts.get(k, 0) / s['n']:.0%})" if s["n"] else DASH
-                              for k in OUTCOMES)])
+    rows = [[label, *(f"{s['outcomes'][k]} ({s['outcomes'][k] / s['n']:.0%})" for k in OUTCOMES)]
+            for label, s in summary["models"].items()]
     return ["Model", *OUTCOMES.values()], rows
 
 
