@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt requirements-model.txt
 demo: setup
 	$(PY) train_email_search_agent.py build-db --demo
 	$(PY) train_email_search_agent.py train --demo
-	$(PY) test_email_search_agent.py --demo --model base --model demo --limit 50 --output eval/demo
+	$(PY) test_email_search_agent.py --demo --model base --model demo --limit 50 --grounded-answers --output eval/demo
 
 test: setup
 	$(PY) -m pytest

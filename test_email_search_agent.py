@@ -36,7 +36,8 @@ async def evaluate(args) -> int:
 
     from email_agent.rollout import rollout
 
-    scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir)
+    scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
+                                        args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
     if args.rejudge:
         results = Path(args.rejudge) / "results.jsonl"
@@ -178,6 +179,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", help="litellm model name of the LLM judge (or JUDGE_MODEL)")
     p.add_argument("--judge-base-url", help="api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE; "
                                             "key from JUDGE_API_KEY)")
+    p.add_argument("--grounded-answers", action="store_true",
+                   help="withhold answers that name something (a word with a capital or a digit) in no email or "
+                        "search result the agent saw: they count as \"I don't know\", and the report says how many "
+                        "were withheld and how many of those were right. Works with --rejudge too")
     p.add_argument("--rejudge", metavar="DIR", help="re-score DIR/results.jsonl with the judge flags; no model runs")
     p.add_argument("--output", metavar="DIR", help="output folder (default eval/<timestamp>)")
     p.add_argument("--art-dir", default=ART_DIR, help=f"where training runs live (default {ART_DIR})")

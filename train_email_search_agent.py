@@ -124,13 +124,16 @@ def ask(args) -> None:
         on_call=lambda *call: print(ask.describe_call(*call), flush=True),
         on_start=lambda label, shape: print(f"{label} ({shape}) asks {question.inbox_address}'s inbox as of "
                                             f"{question.query_date}:", file=sys.stderr))
-    result = asyncio.run(ask.ask(spec, question, db, options, **live))
+    result = asyncio.run(ask.ask(spec, question, db, options, grounded_answers=args.grounded_answers, **live))
     if args.json:
         print(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     elif result.answer is None:
         print(f"no answer after {result.turns} turns (raise --max-turns, or try another model)")
     else:
         print(f"\nanswer: {result.answer}")
+        if result.withheld:
+            print(f"  (withheld {result.withheld['answer']!r}: {', '.join(result.withheld['unseen'])} in no email or "
+                  f"search result it saw)")
         for mid, email in result.cited:
             print(f"  {email.date}  {email.from_address}  {email.subject}  {mid}" if email else
                   f"  {mid}  (not an email in this inbox: the model made it up)")
@@ -592,6 +595,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, metavar="N", help="agent turns (default: what the run was trained with)")
     p.add_argument("--max-tokens", type=int, metavar="N", help="tokens per reply (default: what the run was trained "
                                                                "with)")
+    p.add_argument("--grounded-answers", action="store_true",
+                   help="withhold an answer that names something (a word with a capital or a digit) in no email or "
+                        "search result the agent saw: it says \"I don't know\" and shows what it withheld")
     p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, turns, tool_calls, ...")
     p.set_defaults(func=ask)

@@ -68,6 +68,10 @@ def main() -> None:
                         help="training threads (default: all cores; 1 when other jobs share the machine)")
     parser.add_argument("--seed", type=int, default=0,
                         help="training seed: validation split, warm-start order, LoRA init, sampling (test questions stay)")
+    parser.add_argument("--grounded-answers", action=argparse.BooleanOptionalAction, default=True,
+                        help="evaluate with the grounding check: answers naming something in no email or search "
+                             "result the agent saw count as \"I don't know\" (runs F-W: without; the bench prints "
+                             "both)")
     parser.add_argument("--with-base", action="store_true", help="evaluate the untrained base model too (0%% so far)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
@@ -100,7 +104,8 @@ def main() -> None:
     models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
                             *models, "--limit", str(args.test_questions), "--output", str(work / "report"),
-                            "--concurrency", str(args.concurrency), *shape)
+                            "--concurrency", str(args.concurrency), *shape,
+                            *(["--grounded-answers"] if args.grounded_answers else []))
     total = time.perf_counter() - started
 
     summary = json.loads((work / "report" / "summary.json").read_text())["models"]
@@ -114,6 +119,13 @@ def main() -> None:
     print("\nwhere answers went wrong (episodes):")
     for label, s in summary.items():
         print(f"  {label}: " + "; ".join(f"{OUTCOMES[k]} {s['outcomes'][k]}" for k in OUTCOMES))
+    if args.grounded_answers:
+        print("\nwithout the grounding check (each withheld answer graded as the agent gave it):")
+        for label, s in summary.items():
+            withheld, right = s["outcomes"]["withheld"], s["withheld_right"]
+            wrong = s["hallucination_rate"] * s["n_scored"] + withheld - right
+            print(f"  {label}: {withheld} answers withheld, {right} of them right; accuracy "
+                  f"{(s['accuracy'] * s['n'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
     results = work / "report" / "results.jsonl"
     print(strict_valid_rates(results))
     print(paired_test(results, f"learn@{sft_step}"))

@@ -50,19 +50,23 @@ class Answer:
     turns: int
     ran_out_of_turns: bool
     tool_calls: list[dict] = field(default_factory=list)
+    withheld: dict | None = None  # the answer the grounding check withheld: answer, sources, unseen
 
     def to_json(self) -> dict:
         return {"model": self.model, "question": self.question.question, "inbox": self.question.inbox_address,
                 "as_of": self.question.query_date, "answer": self.answer, "sources": self.sources,
                 "cited": [{"message_id": mid, "date": e.date, "from": e.from_address, "subject": e.subject}
                           for mid, e in self.cited if e is not None],
-                "turns": self.turns, "tool_calls": self.tool_calls, "ran_out_of_turns": self.ran_out_of_turns}
+                "turns": self.turns, "tool_calls": self.tool_calls, "ran_out_of_turns": self.ran_out_of_turns,
+                "withheld": self.withheld}
 
 
 async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Options,
-              on_call: Callable | None = None, on_start: Callable | None = None) -> Answer:
+              on_call: Callable | None = None, on_start: Callable | None = None,
+              grounded_answers: bool = False) -> Answer:
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
-    it happens and `on_start(label, shape)` is called once the model answers the probe."""
+    it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
+    see `rollout.withhold_ungrounded`."""
     from .rollout import RolloutConfig, rollout
 
     calls: list[dict] = []
@@ -78,15 +82,16 @@ async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Op
         await evaluation.probe(contestant)
         if on_start:
             on_start(contestant.label, contestant.shape.describe())
-        traj = await rollout(contestant.policy, question, db, contestant.rollout_config(RolloutConfig()),
-                             on_call=record)
+        config = contestant.rollout_config(RolloutConfig(grounded_answers=grounded_answers))
+        traj = await rollout(contestant.policy, question, db, config, on_call=record)
     if traj.metadata.get("error"):
         raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
     sources = json.loads(traj.metadata["sources"])
     visible = day_after(question.query_date)
     cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]
     return Answer(contestant.label, contestant.shape.describe(), question, traj.metadata.get("answer"), sources,
-                  cited, traj.metrics["num_turns"], bool(traj.metrics["ran_out_of_turns"]), calls)
+                  cited, traj.metrics["num_turns"], bool(traj.metrics["ran_out_of_turns"]), calls,
+                  json.loads(traj.metadata["withheld"]) if traj.metadata.get("withheld") else None)
 
 
 def describe_call(name, arguments, outcome) -> str:

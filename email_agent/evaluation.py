@@ -376,6 +376,7 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
     return {"model": contestant.label, "question_id": question.id, "question": question.question,
             "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
+            "withheld": json.loads(meta["withheld"]) if meta.get("withheld") else None,
             "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
             "episode": asdict(contestant.shape), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
             "concurrency": contestant.policy.max_concurrency,
@@ -384,34 +385,41 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
 
 
 async def rejudge_record(record: dict, config) -> dict:
-    """Re-score a stored record with another judge: the answer stays, the verdict and reward change."""
+    """Re-score a stored record with another judge: the agent's answer stays, the verdict and reward change.
+    An answer the grounding check withheld is judged as the agent gave it, and withheld again only if `config`
+    asks for the check (so `--rejudge DIR --grounded-answers` applies it to an evaluation made without)."""
     from .rewards import Rubric
-    from .rollout import grade
+    from .rollout import grade, withhold_ungrounded
 
     fields = Rubric.__dataclass_fields__
     rubric = Rubric(**{k: v for k, v in record["metrics"].items() if k in fields})
     rubric.answer_correct = rubric.hallucinated = rubric.judge_error = rubric.attempted_answer = 0
-    rubric.returned_i_dont_know = rubric.sources_correct = 0
+    rubric.returned_i_dont_know = rubric.sources_correct = rubric.withheld_answer = rubric.withheld_right = 0
     question = Question(record["question_id"], record["question"], record["gold_answer"], record["gold_message_ids"],
                         None, record["inbox"], record["query_date"], "")
-    verdict = await grade(rubric, question, record["answer"], record["sources"], config)
+    given = record.get("withheld") or record
+    answer, sources, withheld = withhold_ungrounded(given["answer"], given["sources"], record["messages"], config)
+    verdict = await grade(rubric, question, answer, sources, config, withheld)
     max_turns = record.get("max_turns", config.max_turns)
-    new = dict(record, metrics={**record["metrics"], **{k: getattr(rubric, k) for k in fields}},
-               reward=rewards.reward(config.reward, rubric, max_turns, len(record["sources"])),
+    new = dict(record, answer=answer, sources=sources, withheld=withheld,
+               metrics={**record["metrics"], **{k: getattr(rubric, k) for k in fields}},
+               reward=rewards.reward(config.reward, rubric, max_turns, len(sources)),
                reward_mode=config.reward)
     new["verdict"] = None if verdict is None else {"correct": verdict.correct, "judge": verdict.judge,
                                                    "reasoning": verdict.reasoning, "error": verdict.error}
     return new
 
 
-def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str):
-    """A RolloutConfig carrying how answers are graded (each contestant adds its episode shape)."""
+def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str,
+                   grounded_answers: bool = False):
+    """A RolloutConfig carrying how answers are graded and whether ungrounded ones are withheld (each
+    contestant adds its episode shape)."""
     from .rollout import RolloutConfig
 
     mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"
-    return RolloutConfig(reward=mode, judge=judge)
+    return RolloutConfig(reward=mode, judge=judge, grounded_answers=grounded_answers)
 
 
 def shared_run_shape(specs: list[str], art_dir: str) -> EpisodeShape | None:

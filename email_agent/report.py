@@ -94,6 +94,7 @@ OUTCOMES = {
     "wrong_read": "Wrong, gold email read",
     "wrong_listed": "Wrong, gold email listed, not read",
     "wrong_unseen": "Wrong, gold email never listed",
+    "withheld": "Withheld by the grounding check",
     "idk_seen": "\"I don't know\", gold email listed or read",
     "idk_unseen": "\"I don't know\", gold email never listed",
     "no_answer": "No answer (out of turns or error)",
@@ -108,6 +109,8 @@ def episode_outcome(r: dict) -> str:
         return "right"
     if r.get("error") or not (m.get("attempted_answer") or m.get("returned_i_dont_know")):
         return "no_answer"
+    if m.get("withheld_answer"):
+        return "withheld"
     if m.get("attempted_answer"):
         return f"wrong_{seen}"
     return "idk_unseen" if seen == "unseen" else "idk_seen"
@@ -149,6 +152,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "cost_per_1k_usd": 1000 * sum(costs) / len(costs) if known_cost else None,
         "judge_errors": sum(1 for r in records if (r.get("verdict") or {}).get("error")),
         "outcomes": {key: outcomes[key] for key in OUTCOMES},
+        "withheld_right": sum(int((r.get("metrics") or {}).get("withheld_right", 0)) for r in scored),
     }
 
 
@@ -248,9 +252,15 @@ def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def _outcome_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    rows = [[label, *(f"{s['outcomes'][k]} ({s['outcomes'][k] / s['n']:.0%})" for k in OUTCOMES)]
-            for label, s in summary["models"].items()]
-    return ["Model", *OUTCOMES.values()], rows
+    models = summary["models"]
+    # The grounding check's column only where it withheld something (it is off unless asked for).
+    keys = [k for k in OUTCOMES if k != "withheld" or any(s["outcomes"][k] for s in models.values())]
+
+    def cell(s: dict, key: str) -> str:
+        count = f"{s['outcomes'][key]} ({s['outcomes'][key] / s['n']:.0%})"
+        return f"{count}, {s['withheld_right']} of them right" if key == "withheld" else count
+    rows = [[label, *(cell(s, k) for k in keys)] for label, s in models.items()]
+    return ["Model", *(OUTCOMES[k] for k in keys)], rows
 
 
 def _pair_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -274,7 +284,9 @@ NOTES = ("Accuracy counts errored rollouts (the model's API failed; see Errors) 
          "questions and shown only when every scored record has a price.")
 OUTCOME_NOTE = ("Each episode by how close the agent came to the gold email (the one that holds the answer): "
                 "wrong answers after reading it are reading failures, after a search listed it unread choosing "
-                "failures, without it ever listed search failures.")
+                "failures, without it ever listed search failures. With --grounded-answers, an answer naming "
+                "something (a word with a capital or a digit) in no email or search result the agent saw is "
+                "withheld and counts as \"I don't know\"; \"of them right\" says what that cost.")
 PAIR_NOTE = ("Exact McNemar test on correctness over the questions both models played: only the questions one "
              "got right and the other wrong count. p < 0.05: the difference is unlikely to be chance.")
 

@@ -55,6 +55,8 @@ class Rubric:
     extra_tool_calls: int = 0  # more than one call in a turn (only the first runs)
     api_errors: int = 0  # the policy's API failed after retries (the episode ends)
     judge_error: int = 0  # the judge failed; the offline matcher decided instead
+    withheld_answer: int = 0  # the grounding check replaced the answer with "I don't know" (`ungrounded_terms`)
+    withheld_right: int = 0  # ... and the answer it withheld was right (what the check cost)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     latency_s: float = 0.0  # seconds the policy took to reply, summed over turns (not waits for a request slot)
@@ -98,6 +100,47 @@ def normalize_answer(text: str) -> str:
 
 def is_i_dont_know(answer: str) -> bool:
     return normalize_answer(answer) in ("i don t know", "i dont know", "i do not know")
+
+
+def ungrounded_terms(answer: str, messages: list[dict]) -> list[str]:
+    """The names and numbers of `answer` (its words that start with a capital or hold a digit) that appear, as
+    whole words, in nothing the agent was shown: the user's messages (the question) and the tools' replies.
+
+    An empty list: the answer is grounded. A small model that misreads or invents a code, a room or a figure
+    ("FXQ7R" for "2FXQ7R") names something no email holds; a right answer copies or restates what it read.
+    Words compare case- and accent-insensitively, and JSON tool replies by their string values, so an escape
+    like \\n never glues two words into one.
+    """
+    seen: set[str] = set()
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") in ("user", "tool") and isinstance(content, str):
+            seen.update(_fold(word) for text in _strings(_json_or_text(content)) for word in re.findall(r"\w+", text))
+    terms = [w for w in re.findall(r"\w+", answer) if w[:1].isupper() or any(c.isdigit() for c in w)]
+    return list(dict.fromkeys(w for w in terms if _fold(w) not in seen))
+
+
+def _fold(word: str) -> str:
+    return unicodedata.normalize("NFKD", word).encode("ascii", "ignore").decode().lower()
+
+
+def _json_or_text(content: str):
+    try:
+        return json.loads(content)
+    except ValueError:
+        return content
+
+
+def _strings(value):
+    """Every string (and number, as text) inside a JSON value."""
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+    elif value is not None:
+        yield str(value)
 
 
 def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:

@@ -90,6 +90,7 @@ class RolloutConfig:
     reward: str = "offline"  # see rewards.REWARD_MODES
     judge: rewards.LLMJudge | None = None
     hallucination_penalty: float = 1.0  # what a wrong answer costs in the shaped reward (rewards.shaped_reward)
+    grounded_answers: bool = False  # withhold answers naming what the agent never saw (`withhold_ungrounded`)
 
     @classmethod
     def for_shape(cls, shape: EpisodeShape, **kwargs) -> "RolloutConfig":
@@ -174,10 +175,12 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
 
     if answer is None and error is None and rubric.num_turns >= config.max_turns:
         rubric.ran_out_of_turns = 1
-    verdict = await grade(rubric, question, answer, sources, config)
+    answer, sources, withheld = withhold_ungrounded(answer, sources, messages, config)
+    verdict = await grade(rubric, question, answer, sources, config, withheld)
     traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources), config.hallucination_penalty)
     traj.metrics = asdict(rubric)
     traj.metadata.update({"answer": answer, "sources": json.dumps(sources), "error": error,
+                          "withheld": json.dumps(withheld) if withheld else None,
                           "verdict_judge": verdict.judge if verdict else None,
                           "verdict_reasoning": verdict.reasoning if verdict else None,
                           "verdict_error": verdict.error if verdict else None})
@@ -202,22 +205,49 @@ def record_outcome(rubric: Rubric, outcome: ToolOutcome, gold: set[str]) -> None
                 rubric.ever_read_right_email = 1
 
 
+def withhold_ungrounded(answer: str | None, sources: list[str], messages: list[dict], config: RolloutConfig
+                        ) -> tuple[str | None, list[str], dict | None]:
+    """With `config.grounded_answers`, an answer that names something (a word with a capital or a digit) found
+    in no tool reply and not in the question stands as "I don't know": (answer, sources, what was withheld).
+
+    It is the agent's last line against inventing: a code with a dropped character, a name no email holds.
+    What the agent said is kept in the third element, and graded, so a report can say what the check cost.
+    """
+    if not config.grounded_answers or answer is None or rewards.is_i_dont_know(answer):
+        return answer, sources, None
+    unseen = rewards.ungrounded_terms(answer, messages)
+    if not unseen:
+        return answer, sources, None
+    return rewards.IDK, [], {"answer": answer, "sources": sources, "unseen": unseen}
+
+
 async def grade(rubric: Rubric, question: Question, answer: str | None, sources: list[str],
-                config: RolloutConfig) -> rewards.Verdict | None:
+                config: RolloutConfig, withheld: dict | None = None) -> rewards.Verdict | None:
     """Fill in the outcome fields of the rubric; returns the verdict (None when there was no answer, or no
-    gold answer to grade against: a question asked with `ask`)."""
+    gold answer to grade against: a question asked with `ask`). `withheld`: what `withhold_ungrounded` kept
+    back (the answer given is then "I don't know"); it is graded too, into `withheld_right`."""
+    rubric.withheld_answer = int(withheld is not None)
     if answer is None or not question.answer:
         return None
+    if withheld is not None:
+        rubric.withheld_right = int((await answer_verdict(question, withheld["answer"], config)).correct)
     rubric.sources_correct = int(bool(sources) and set(question.message_ids) <= set(sources))
     if rewards.is_i_dont_know(answer):
         rubric.returned_i_dont_know = 1
+        if withheld is not None:
+            return rewards.Verdict(False, "rule", f"answer withheld: {', '.join(withheld['unseen'])} in nothing "
+                                                  f"the agent saw")
         return rewards.Verdict(False, "rule", "answered I don't know")
     rubric.attempted_answer = 1
-    if config.judge is not None:
-        verdict = await config.judge.verdict(question.question, question.answer, answer)
-    else:
-        verdict = rewards.offline_verdict(answer, question.answer, question.question)
+    verdict = await answer_verdict(question, answer, config)
     rubric.judge_error = int(verdict.error is not None)
     rubric.answer_correct = int(verdict.correct)
     rubric.hallucinated = int(not verdict.correct)
     return verdict
+
+
+async def answer_verdict(question: Question, answer: str, config: RolloutConfig) -> rewards.Verdict:
+    """The judge's verdict on an answer other than "I don't know", or the offline matcher's without a judge."""
+    if config.judge is not None:
+        return await config.judge.verdict(question.question, question.answer, answer)
+    return rewards.offline_verdict(answer, question.answer, question.question)

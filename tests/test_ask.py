@@ -48,6 +48,21 @@ def test_ask_json(demo_db_path, q, tmp_path, capsys):
     assert result["cited"][0]["message_id"] == q.message_ids[0] and result["as_of"] == q.query_date
 
 
+def test_ask_with_grounded_answers_withholds_an_invented_answer(demo_db_path, q, tmp_path, capsys):
+    script = expert_script(q, answer="Bittern 77Z")
+    with serve_in_thread({q.question: script}) as server:
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/x",
+                   "--base-url", server.base_url, "--grounded-answers", "--art-dir", tmp_path) == 0
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/x",
+                   "--base-url", server.base_url, "--grounded-answers", "--json", "--art-dir", tmp_path) == 0
+    shown, printed = capsys.readouterr().out.split("\n{", 1)
+    assert "answer: I don't know" in shown
+    assert "(withheld 'Bittern 77Z': 77Z in no email or search result it saw)" in shown
+    result = json.loads("{" + printed)
+    assert result["answer"] == "I don't know" and result["sources"] == [] and result["cited"] == []
+    assert result["withheld"] == {"answer": "Bittern 77Z", "sources": q.message_ids, "unseen": ["77Z"]}
+
+
 def test_ask_without_model_uses_the_most_recent_run_and_its_shape(demo_db_path, q, tmp_path, capsys, monkeypatch):
     from email_agent import backends
 

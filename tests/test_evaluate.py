@@ -66,6 +66,35 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert second["messages"] == first["messages"]  # nothing re-run
 
 
+def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
+                                                                        capsys):
+    q = demo_questions[0]
+    scripts = {"inventor": {q.question: expert_script(q, answer="Zanzibar 9")}}
+    with serve_in_thread(scripts) as server:
+        assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/inventor", "--base-url", server.base_url,
+                       "--limit", 1, "--output", tmp_path / "plain", "--art-dir", tmp_path / "art") == 0
+        assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/inventor", "--base-url", server.base_url,
+                       "--limit", 1, "--grounded-answers", "--output", tmp_path / "live", "--art-dir",
+                       tmp_path / "art") == 0
+    plain = json.loads((tmp_path / "plain" / "results.jsonl").read_text())
+    live = json.loads((tmp_path / "live" / "results.jsonl").read_text())
+    assert plain["answer"] == "Zanzibar 9" and plain["withheld"] is None and plain["metrics"]["hallucinated"] == 1
+    assert live["answer"] == "I don't know" and live["withheld"]["unseen"] == ["Zanzibar", "9"]
+    assert (live["metrics"]["withheld_answer"], live["metrics"]["hallucinated"]) == (1, 0)
+    summary = json.loads((tmp_path / "live" / "summary.json").read_text())["models"]["hosted_vllm/inventor"]
+    assert summary["hallucination_rate"] == 0 and summary["outcomes"]["withheld"] == 1
+    assert "Withheld by the grounding check" in (tmp_path / "live" / "report.md").read_text()
+    # --rejudge applies the check to an evaluation made without it, and takes it off again
+    assert run_cli("--rejudge", tmp_path / "plain", "--grounded-answers", "--output", tmp_path / "on") == 0
+    on = json.loads((tmp_path / "on" / "results.jsonl").read_text())
+    keys = ("answer", "withheld", "reward")
+    assert {k: on[k] for k in keys} == {k: live[k] for k in keys}
+    assert run_cli("--rejudge", tmp_path / "on", "--output", tmp_path / "off") == 0
+    off = json.loads((tmp_path / "off" / "results.jsonl").read_text())
+    assert {k: off[k] for k in ("answer", "sources", "withheld", "reward", "metrics")} == \
+        {k: plain[k] for k in ("answer", "sources", "withheld", "reward", "metrics")}
+
+
 def test_judge_failure_is_recorded_not_silent(demo_db_path, demo_questions, tmp_path):
     q = demo_questions[0]
     scripts = {"expert": {q.question: expert_script(q)}, "judge": {"*": [{"status": 500}]}}

@@ -84,11 +84,22 @@ def test_outcomes_say_how_close_each_episode_came_to_the_gold_email(tmp_path):
                rec(6, correct=0, idk=1, listed=1), rec(7, correct=0, idk=1), rec(8, correct=0, out_of_turns=True),
                _rec("m", 9, error="rollout crashed")]
     outcomes = summarize(records)["models"]["m"]["outcomes"]
-    assert outcomes == {"right": 1, "wrong_read": 2, "wrong_listed": 1, "wrong_unseen": 1, "idk_seen": 1,
-                        "idk_unseen": 1, "no_answer": 2}
+    assert outcomes == {"right": 1, "wrong_read": 2, "wrong_listed": 1, "wrong_unseen": 1, "withheld": 0,
+                        "idk_seen": 1, "idk_unseen": 1, "no_answer": 2}
     md = write_report(tmp_path, records, summarize(records))["markdown"].read_text()
     assert "| m | 1 (11%) | 2 (22%) | 1 (11%) | 1 (11%) | 1 (11%) | 1 (11%) | 2 (22%) |" in md
     assert "Where answers went wrong" in (tmp_path / "report.html").read_text()
+    assert "Withheld by the grounding check |" not in md  # no column for a check that was off
+
+    # answers the grounding check withheld: a column of their own, saying how many would have been right
+    withheld = [rec(10 + i, correct=0, idk=1, read=1) for i in range(2)]
+    for r, was_right in zip(withheld, (1, 0)):
+        r["metrics"].update(withheld_answer=1, withheld_right=was_right)
+    summary = summarize(records + withheld)
+    assert summary["models"]["m"]["outcomes"]["withheld"] == 2 and summary["models"]["m"]["withheld_right"] == 1
+    assert summary["models"]["m"]["outcomes"]["idk_seen"] == 1  # withheld answers are not counted twice
+    md = write_report(tmp_path, records + withheld, summary)["markdown"].read_text()
+    assert "| Withheld by the grounding check |" in md and "| 2 (18%), 1 of them right |" in md
 
 
 def test_summarize_all_errored_model_is_all_wrong():

@@ -235,3 +235,44 @@ def test_graded_rollout_uses_the_question(demo_db, q):
     asked = dataclasses.replace(q, answer=f"{q.answer} {last_word}")
     (traj,), _ = run(play(demo_db, {asked.question: expert_script(q)}, [asked]))
     assert traj.metadata["answer"] == q.answer and traj.metrics["answer_correct"] == 1
+
+
+def test_ungrounded_terms_are_the_names_and_numbers_in_nothing_the_agent_saw():
+    messages = [{"role": "system", "content": "Room 7Q is in the system prompt only"},
+                {"role": "user", "content": "Which room is the Egret kickoff in?"},
+                {"role": "assistant", "content": "Maybe Room 12?"},  # the agent's own words prove nothing
+                {"role": "tool", "content": json.dumps([{"subject": "Kickoff", "snippet": "Café Élan"}])},
+                {"role": "tool", "content": json.dumps({"body": "moved to Room 4B at 2:30 PM, code 2FXQ7R,\nKestrel"})},
+                {"role": "tool", "content": "Error: no email with that message_id."}]
+    assert rewards.ungrounded_terms("Room 4B at 2:30 PM", messages) == []
+    assert rewards.ungrounded_terms("the cafe elan", messages) == []  # lower-case words are never checked
+    assert rewards.ungrounded_terms("CAFÉ ELAN, for the Egret kickoff", messages) == []  # question words count
+    assert rewards.ungrounded_terms("Room 7Q", messages) == ["7Q"]  # the system prompt is not evidence
+    assert rewards.ungrounded_terms("Room 12", messages) == ["12"]
+    assert rewards.ungrounded_terms("FXQ7R", messages) == ["FXQ7R"]  # a code with a dropped character
+    assert rewards.ungrounded_terms("Room 3 or Room 3", messages) == ["3"]
+    # a JSON reply is read by its values: "\nKestrel" is "Kestrel", not the escaped text's "nKestrel"
+    assert rewards.ungrounded_terms("Kestrel", messages) == []
+
+
+def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_db, q):
+    invented = {q.question: expert_script(q, answer="Zanzibar Lodge")}
+    (plain,), _ = run(play(demo_db, invented, [q]))
+    assert plain.metrics["hallucinated"] == 1 and plain.metrics["withheld_answer"] == 0
+    assert plain.metadata["withheld"] is None
+    (checked,), _ = run(play(demo_db, invented, [q], RolloutConfig(grounded_answers=True)))
+    m = checked.metrics
+    assert (m["returned_i_dont_know"], m["attempted_answer"], m["hallucinated"]) == (1, 0, 0)
+    assert (m["withheld_answer"], m["withheld_right"]) == (1, 0)
+    assert checked.metadata["answer"] == rewards.IDK and json.loads(checked.metadata["sources"]) == []
+    assert json.loads(checked.metadata["withheld"]) == {"answer": "Zanzibar Lodge", "sources": q.message_ids,
+                                                        "unseen": ["Zanzibar"]}
+    assert "Zanzibar" in checked.metadata["verdict_reasoning"]
+    assert checked.reward > plain.reward  # withheld, it is scored as the abstention it now is
+    # a right answer copied from the email passes; one that adds an unseen code is withheld, and counted as right
+    (right,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(grounded_answers=True)))
+    assert right.metrics["answer_correct"] == 1 and right.metrics["withheld_answer"] == 0
+    padded = {q.question: expert_script(q, answer=f"{q.answer}, booking 9ZZ9")}
+    (costly,), _ = run(play(demo_db, padded, [q], RolloutConfig(grounded_answers=True)))
+    m = costly.metrics
+    assert (m["withheld_answer"], m["withheld_right"], m["answer_correct"]) == (1, 1, 0)
