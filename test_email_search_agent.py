@@ -44,6 +44,9 @@ async def evaluate(args) -> int:
         if not results.is_file():
             raise DataError(f"--rejudge {args.rejudge}: no results.jsonl there (an output folder of this command).")
         stored = [json.loads(line) for line in results.read_text().splitlines() if line]
+        if any(bool(r.get("grounded_answers")) != args.grounded_answers for r in stored):
+            print(f"note: re-scoring {'with' if args.grounded_answers else 'without'} the grounding check "
+                  f"(--grounded-answers), unlike the evaluation in {args.rejudge}", file=sys.stderr)
         records = [await evaluation.rejudge_record(r, scoring) for r in tqdm(stored, desc="re-judging", unit=" answers")]
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

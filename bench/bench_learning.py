@@ -11,7 +11,9 @@ base model with --with-base) on held-out *test* questions (all 144 of the demo i
 usual report (before/after table with 95% CIs, learning curve). Prints the table, an exact McNemar test of
 final vs. warm start on the same questions, the validation curve, and the wall time of each phase.
 Targets (issue 12): final accuracy >= 60%, hallucination <= 15%, valid tool calls >= 95% (turns without a
-call count as invalid), GRPO beats the warm start with p < 0.05, within 45 minutes on 2 cores.
+call count as invalid), GRPO beats the warm start with p < 0.05, within 45 minutes on 2 cores. The evaluation
+uses the grounding check (--grounded-answers; runs F-W did not): the table's hallucination counts an answer
+naming something in nothing the agent saw as "I don't know", and the figures without the check follow it.
 Report every run, not the best one.
 """
 

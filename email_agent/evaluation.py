@@ -377,6 +377,7 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
             "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
             "withheld": json.loads(meta["withheld"]) if meta.get("withheld") else None,
+            "grounded_answers": config.grounded_answers,
             "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
             "episode": asdict(contestant.shape), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
             "concurrency": contestant.policy.max_concurrency,
@@ -401,7 +402,7 @@ async def rejudge_record(record: dict, config) -> dict:
     answer, sources, withheld = withhold_ungrounded(given["answer"], given["sources"], record["messages"], config)
     verdict = await grade(rubric, question, answer, sources, config, withheld)
     max_turns = record.get("max_turns", config.max_turns)
-    new = dict(record, answer=answer, sources=sources, withheld=withheld,
+    new = dict(record, answer=answer, sources=sources, withheld=withheld, grounded_answers=config.grounded_answers,
                metrics={**record["metrics"], **{k: getattr(rubric, k) for k in fields}},
                reward=rewards.reward(config.reward, rubric, max_turns, len(sources)),
                reward_mode=config.reward)

@@ -152,6 +152,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "cost_per_1k_usd": 1000 * sum(costs) / len(costs) if known_cost else None,
         "judge_errors": sum(1 for r in records if (r.get("verdict") or {}).get("error")),
         "outcomes": {key: outcomes[key] for key in OUTCOMES},
+        "grounded_answers": any(r.get("grounded_answers") for r in records),
         "withheld_right": sum(int((r.get("metrics") or {}).get("withheld_right", 0)) for r in scored),
     }
 
@@ -253,8 +254,8 @@ def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 def _outcome_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     models = summary["models"]
-    # The grounding check's column only where it withheld something (it is off unless asked for).
-    keys = [k for k in OUTCOMES if k != "withheld" or any(s["outcomes"][k] for s in models.values())]
+    # The grounding check's column only where it was on (--grounded-answers).
+    keys = [k for k in OUTCOMES if k != "withheld" or any(s.get("grounded_answers") for s in models.values())]
 
     def cell(s: dict, key: str) -> str:
         count = f"{s['outcomes'][key]} ({s['outcomes'][key] / s['n']:.0%})"
@@ -479,6 +480,11 @@ def _attempt_html(r: dict) -> str:
     meta = [f"reward {_num(r.get('reward'))}", f"turns {_num((r.get('metrics') or {}).get('num_turns'), '{}')}",
             f"judge {v.get('judge') or DASH}"]
     notes = [f'<p class="meta">{_esc(" · ".join(meta))}</p>']
+    withheld = r.get("withheld")
+    if withheld:
+        right = "right" if (r.get("metrics") or {}).get("withheld_right") else "wrong"
+        notes.append(f"<p><b>Withheld by the grounding check:</b> {_esc(withheld['answer'])} ({right}; "
+                     f"{_esc(', '.join(withheld['unseen']))} in nothing the agent saw)</p>")
     for key, text in (("Judge", v.get("reasoning")), ("Judge error", v.get("error")), ("Rollout error", r.get("error")),
                       ("Sources", ", ".join(map(str, r.get("sources") or [])))):
         if text:

@@ -1,8 +1,9 @@
 """Rewards: deciding whether an answer is right (the verdict) and turning recorded facts into a number.
 
-Owns: the offline answer matcher, the LLM judge (litellm; cached, retried, failures recorded), the reward
-formulas (`shaped`, `judge` = binary), and RULER group scoring. It never calls the policy and never
-touches the database; the rollout records facts (a `Rubric`), this module scores them.
+Owns: the offline answer matcher, the grounding test of an answer (`ungrounded_terms`), the LLM judge
+(litellm; cached, retried, failures recorded), the reward formulas (`shaped`, `judge` = binary), and RULER
+group scoring. It never calls the policy and never touches the database; the rollout records facts (a
+`Rubric`), this module scores them.
 
 Reward modes (`--reward`):
   offline  shaped formula, verdict from the offline matcher (no network; the default with no judge)
@@ -102,19 +103,27 @@ def is_i_dont_know(answer: str) -> bool:
     return normalize_answer(answer) in ("i don t know", "i dont know", "i do not know")
 
 
+# Named from the dates the agent is shown (an email's ISO date gives its weekday), so never held against it.
+CALENDAR_WORDS = set("""monday tuesday wednesday thursday friday saturday sunday mon tue tues wed thu thur thurs fri
+sat sun january february march april may june july august september october november december jan feb mar apr
+jun jul aug sep sept oct nov dec""".split())
+
+
 def ungrounded_terms(answer: str, messages: list[dict]) -> list[str]:
     """The names and numbers of `answer` (its words that start with a capital or hold a digit) that appear, as
-    whole words, in nothing the agent was shown: the user's messages (the question) and the tools' replies.
+    whole words, in nothing the agent was shown: the user's messages (the question) and the tools' results.
 
     An empty list: the answer is grounded. A small model that misreads or invents a code, a room or a figure
     ("FXQ7R" for "2FXQ7R") names something no email holds; a right answer copies or restates what it read.
-    Words compare case- and accent-insensitively, and JSON tool replies by their string values, so an escape
-    like \\n never glues two words into one.
+    Messages that start with "Error:" do not count (a tool's error repeats what the agent sent, the nudge after
+    a reply without a tool call quotes the agent), nor do weekday and month names. Words compare case- and
+    accent-insensitively, and JSON tool replies by their string values, so an escape like \\n never glues two
+    words into one.
     """
-    seen: set[str] = set()
+    seen = set(CALENDAR_WORDS)
     for message in messages:
         content = message.get("content")
-        if message.get("role") in ("user", "tool") and isinstance(content, str):
+        if message.get("role") in ("user", "tool") and isinstance(content, str) and not content.startswith("Error:"):
             seen.update(_fold(word) for text in _strings(_json_or_text(content)) for word in re.findall(r"\w+", text))
     terms = [w for w in re.findall(r"\w+", answer) if w[:1].isupper() or any(c.isdigit() for c in w)]
     return list(dict.fromkeys(w for w in terms if _fold(w) not in seen))

@@ -230,7 +230,8 @@ async def grade(rubric: Rubric, question: Question, answer: str | None, sources:
     if answer is None or not question.answer:
         return None
     if withheld is not None:
-        rubric.withheld_right = int((await answer_verdict(question, withheld["answer"], config)).correct)
+        cost = await answer_verdict(question, withheld["answer"], config)
+        rubric.withheld_right, rubric.judge_error = int(cost.correct), int(cost.error is not None)
     rubric.sources_correct = int(bool(sources) and set(question.message_ids) <= set(sources))
     if rewards.is_i_dont_know(answer):
         rubric.returned_i_dont_know = 1

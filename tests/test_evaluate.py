@@ -89,10 +89,18 @@ def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_
     on = json.loads((tmp_path / "on" / "results.jsonl").read_text())
     keys = ("answer", "withheld", "reward")
     assert {k: on[k] for k in keys} == {k: live[k] for k in keys}
+    assert "re-scoring with the grounding check" in capsys.readouterr().err  # unlike the evaluation
     assert run_cli("--rejudge", tmp_path / "on", "--output", tmp_path / "off") == 0
     off = json.loads((tmp_path / "off" / "results.jsonl").read_text())
-    assert {k: off[k] for k in ("answer", "sources", "withheld", "reward", "metrics")} == \
-        {k: plain[k] for k in ("answer", "sources", "withheld", "reward", "metrics")}
+    keys = ("answer", "sources", "withheld", "reward", "metrics", "grounded_answers")
+    assert {k: off[k] for k in keys} == {k: plain[k] for k in keys}
+    # a record written before the check existed (no withheld keys) re-scores as the agent answered
+    old = {k: v for k, v in plain.items() if k not in ("withheld", "grounded_answers")}
+    old["metrics"] = {k: v for k, v in plain["metrics"].items() if not k.startswith("withheld")}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.jsonl").write_text(json.dumps(old) + "\n")
+    assert run_cli("--rejudge", tmp_path / "old", "--grounded-answers", "--output", tmp_path / "old-on") == 0
+    assert json.loads((tmp_path / "old-on" / "results.jsonl").read_text())["withheld"] == live["withheld"]
 
 
 def test_judge_failure_is_recorded_not_silent(demo_db_path, demo_questions, tmp_path):

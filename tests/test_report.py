@@ -95,11 +95,18 @@ def test_outcomes_say_how_close_each_episode_came_to_the_gold_email(tmp_path):
     withheld = [rec(10 + i, correct=0, idk=1, read=1) for i in range(2)]
     for r, was_right in zip(withheld, (1, 0)):
         r["metrics"].update(withheld_answer=1, withheld_right=was_right)
+        r["withheld"] = {"answer": f"Room {r['question_id']}Z", "sources": [], "unseen": [f"{r['question_id']}Z"]}
+    for r in records + withheld:
+        r["grounded_answers"] = True
     summary = summarize(records + withheld)
     assert summary["models"]["m"]["outcomes"]["withheld"] == 2 and summary["models"]["m"]["withheld_right"] == 1
     assert summary["models"]["m"]["outcomes"]["idk_seen"] == 1  # withheld answers are not counted twice
     md = write_report(tmp_path, records + withheld, summary)["markdown"].read_text()
     assert "| Withheld by the grounding check |" in md and "| 2 (18%), 1 of them right |" in md
+    html = (tmp_path / "report.html").read_text()
+    assert "Withheld by the grounding check:</b> Room 10Z (right; 10Z in nothing the agent saw)" in html
+    md = write_report(tmp_path, records, summarize(records))["markdown"].read_text()
+    assert "| 0 (0%), 0 of them right |" in md  # the check was on and withheld nothing: the column says so
 
 
 def test_summarize_all_errored_model_is_all_wrong():

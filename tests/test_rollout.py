@@ -243,14 +243,16 @@ def test_ungrounded_terms_are_the_names_and_numbers_in_nothing_the_agent_saw():
                 {"role": "assistant", "content": "Maybe Room 12?"},  # the agent's own words prove nothing
                 {"role": "tool", "content": json.dumps([{"subject": "Kickoff", "snippet": "Café Élan"}])},
                 {"role": "tool", "content": json.dumps({"body": "moved to Room 4B at 2:30 PM, code 2FXQ7R,\nKestrel"})},
-                {"role": "tool", "content": "Error: no email with that message_id."}]
+                {"role": "tool", "content": "Error: no email with message_id 'Room 9Z' in this inbox."},
+                {"role": "user", "content": "Error: reply with a tool call, not plain text."}]
     assert rewards.ungrounded_terms("Room 4B at 2:30 PM", messages) == []
-    assert rewards.ungrounded_terms("the cafe elan", messages) == []  # lower-case words are never checked
     assert rewards.ungrounded_terms("CAFÉ ELAN, for the Egret kickoff", messages) == []  # question words count
     assert rewards.ungrounded_terms("Room 7Q", messages) == ["7Q"]  # the system prompt is not evidence
     assert rewards.ungrounded_terms("Room 12", messages) == ["12"]
     assert rewards.ungrounded_terms("FXQ7R", messages) == ["FXQ7R"]  # a code with a dropped character
     assert rewards.ungrounded_terms("Room 3 or Room 3", messages) == ["3"]
+    assert rewards.ungrounded_terms("Room 9Z", messages) == ["9Z"]  # an error quoting the agent proves nothing
+    assert rewards.ungrounded_terms("Tuesday, March 12", messages) == ["12"]  # calendar names follow from dates
     # a JSON reply is read by its values: "\nKestrel" is "Kestrel", not the escaped text's "nKestrel"
     assert rewards.ungrounded_terms("Kestrel", messages) == []
 
