@@ -124,10 +124,10 @@ def main() -> None:
     if args.grounded_answers:
         print("\nwithout the grounding check (each withheld answer graded as the agent gave it):")
         for label, s in summary.items():
-            withheld, right = s["outcomes"]["withheld"], s["withheld_right"]
-            wrong = s["hallucination_rate"] * s["n_scored"] + withheld - right
-            print(f"  {label}: {withheld} answers withheld, {right} of them right; accuracy "
-                  f"{(s['accuracy'] * s['n'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
+            counts, right = s["outcomes"], s["withheld_right"]
+            wrong = counts["wrong_read"] + counts["wrong_listed"] + counts["wrong_unseen"] + counts["withheld"] - right
+            print(f"  {label}: {counts['withheld']} answers withheld, {right} of them right; accuracy "
+                  f"{(counts['right'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
     results = work / "report" / "results.jsonl"
     print(strict_valid_rates(results))
     print(paired_test(results, f"learn@{sft_step}"))
