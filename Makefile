@@ -10,6 +10,7 @@ setup: $(VENV)/.installed
 # --no-compile: Python compiles only the modules it imports, on first import; byte-compiling all of torch and
 # transformers at install took 25 of the install's 55 s here.
 $(VENV)/.installed: requirements.txt requirements-model.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "Python 3.11 is needed (the pinned torch and openpipe-art wheels); $(PYTHON) is %d.%d: run make PYTHON=python3.11 ..." % sys.version_info[:2])'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt

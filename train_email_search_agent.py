@@ -560,7 +560,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("search", parents=[common], help="search an inbox as the agent does",
                        description="Search one inbox with the agent's own search. All keywords must match; best "
                                    "match first. Example: python train_email_search_agent.py search --db data/demo.db "
-                                   "--inbox maya.patel@larkspur.example budget review")
+                                   "--inbox maya.okafor@larkspur.example Godwit review")
     p.add_argument("keywords", nargs="+", metavar="KEYWORD")
     p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
     p.add_argument("--from", dest="from_address", metavar="ADDRESS", help="only mail sent by ADDRESS")

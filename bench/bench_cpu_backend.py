@@ -15,6 +15,7 @@ Figures depend on what else runs on the machine: another busy process makes mult
 stall at every barrier. The load average is printed for that reason.
 """
 
+import argparse
 import asyncio
 import copy
 import json
@@ -208,4 +209,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     asyncio.run(main())

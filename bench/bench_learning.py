@@ -111,7 +111,7 @@ def main() -> None:
     total = time.perf_counter() - started
 
     summary = json.loads((work / "report" / "summary.json").read_text())["models"]
-    print("\nheld-out test questions (demo inbox), offline grading")
+    print("\nheld-out test questions (demo inbox), offline grading; valid calls count turns without a call as invalid")
     print(f"{'model':<22}{'n':>5}{'accuracy [95% CI]':>24}{'valid calls':>13}{'halluc.':>9}{'turns':>7}")
     for label, s in summary.items():
         acc = "n/a" if s["accuracy"] is None else \
@@ -129,7 +129,6 @@ def main() -> None:
             print(f"  {label}: {counts['withheld']} answers withheld, {right} of them right; accuracy "
                   f"{(counts['right'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
     results = work / "report" / "results.jsonl"
-    print(strict_valid_rates(results))
     print(paired_test(results, f"learn@{sft_step}"))
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line.strip()]
     val = [(row["step"], row["val/reward"], row.get("val/answer_correct")) for row in history if "val/reward" in row]
@@ -138,21 +137,6 @@ def main() -> None:
     print("wall time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items())
           + f", total {total / 60:.1f} min (target <= 45)")
     print(f"report: {work / 'report' / 'report.html'}")
-
-
-def strict_valid_rates(results_path: Path) -> str:
-    """Valid tool calls over every call *and* every turn that made none (the issue's definition)."""
-    tally: dict[str, list[float]] = {}
-    for line in results_path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            m = r.get("metrics") or {}
-            if not r.get("error"):
-                t = tally.setdefault(r["model"], [0.0, 0.0])
-                t[0] += m.get("valid_tool_calls", 0)
-                t[1] += m.get("tool_calls", 0) + m.get("parse_errors", 0)
-    return "\nvalid tool calls, turns without a call counted invalid: " + ", ".join(
-        f"{label} {valid / total:.1%}" if total else f"{label} n/a" for label, (valid, total) in tally.items())
 
 
 def paired_test(results_path: Path, warm_label: str) -> str:

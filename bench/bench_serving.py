@@ -152,7 +152,7 @@ async def run(configuration, checkpoint: str | None, questions, scripts, agent: 
             "prompt_tokens": sum(p for _, p in episodes), "stats": stats}
 
 
-async def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--db", default="data/demo.db", help="a demo database (build-db --demo)")
     parser.add_argument("--checkpoint", help="a LoRA checkpoint directory to serve (default: the base model)")
@@ -162,7 +162,10 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="repeat all configurations, interleaved")
     parser.add_argument("--configurations", default=",".join(CONFIGURATIONS),
                         help=f"comma-separated, the first is the reference (default: all of {', '.join(CONFIGURATIONS)})")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
 
     db = EmailDB(args.db)
     questions = select_questions(db, "test", seed=0, limit=args.questions) if args.agent else \
@@ -195,4 +198,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(parse_args()))

@@ -65,11 +65,14 @@ async def seconds_per_episode(trajectories: list[art.Trajectory], art_dir: str, 
     return elapsed / len(trajectories), merging / len(trajectories)
 
 
-async def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--episodes", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--episodes", type=int, default=24, help="demo-expert episodes per configuration and round")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of both configurations")
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as work:
         db_path = Path(work) / "demo.db"
         emails, questions, _, _ = open_sources(demo=True)
@@ -97,4 +100,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(parse_args()))

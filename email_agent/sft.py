@@ -16,6 +16,7 @@ Test-split questions are never used, whatever the source says.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 from pathlib import Path
@@ -27,6 +28,8 @@ from .data import DataError, EmailDB
 from .questions import Question, withheld
 from .rollout import RolloutConfig, rollout
 from .tools import TOOLS
+
+logger = logging.getLogger(__name__)
 
 STOPWORDS = set("""a about after all am an and any are as at be been before being but by can could did do does
 for from had has have how i if in into is it its me my of on or our should so than that the their them then
@@ -142,17 +145,26 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ro
     return mixed
 
 
-def teacher_trajectories(folder: str | Path, db: EmailDB) -> list[art.Trajectory]:
-    """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl."""
+SHAPE_KEYS = ("max_turns", "max_body_chars", "search_results")  # what changes the prompt and the tool replies
+
+
+def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig | None = None) -> list[art.Trajectory]:
+    """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl.
+
+    With `config`, warns when the teacher played another episode shape than the one being trained: its system
+    prompt names another number of turns and its tool replies are longer or shorter than the student's will be.
+    """
     path = Path(folder) / "results.jsonl"
     if not path.is_file():
         raise DataError(f"--sft-from {folder}: no results.jsonl there (an output folder of test_email_search_agent.py)")
     test_ids = {row[0] for row in db.conn.execute("SELECT id FROM questions WHERE split = 'test'")}
-    trajs = []
+    trajs, shapes = [], set()
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
         record = json.loads(line)
+        episode = record.get("episode") or {}
+        shapes.add(tuple(episode.get(key) for key in SHAPE_KEYS))
         m = record.get("metrics") or {}
         if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct") and m.get("sources_correct")):
             continue
@@ -160,6 +172,15 @@ def teacher_trajectories(folder: str | Path, db: EmailDB) -> list[art.Trajectory
         trajs.append(art.Trajectory(messages_and_choices=messages, tools=TOOLS, reward=record["reward"],
                                     metrics={k: v for k, v in m.items() if isinstance(v, (int, float))},
                                     metadata={"question_id": record["question_id"], "teacher": record["model"]}))
+    if config is not None:
+        wanted = tuple(getattr(config, key) for key in SHAPE_KEYS)
+        other = sorted({shape for shape in shapes if None not in shape and shape != wanted})
+        if other:
+            played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(SHAPE_KEYS, shape)) for shape in other)
+            logger.warning("--sft-from %s: the teacher played %s, this run trains with %s: evaluate the teacher "
+                           "with the same --max-turns, --max-body-chars and --search-results as `train`, or the "
+                           "warm start teaches from prompts and tool replies the agent will not see", folder, played,
+                           ", ".join(f"{k} {v}" for k, v in zip(SHAPE_KEYS, wanted)))
     return trajs
 
 
@@ -181,6 +202,6 @@ def sft_source(source: str, db: EmailDB, questions: list[Question], config: Roll
         return expert_trajectories(db, questions, config)
     if re.match(r"^[\w./~-]+$", source) and Path(source).expanduser().is_dir():
         async def load():
-            return teacher_trajectories(Path(source).expanduser(), db)
+            return teacher_trajectories(Path(source).expanduser(), db, config)
         return load()
     raise DataError(f"--sft-from {source!r}: expected 'demo-expert' or an evaluation folder with results.jsonl")

@@ -315,3 +315,18 @@ def test_enron_sample_search_read_and_scoping(enron_db):
     row = enron_db.conn.execute("SELECT e.message_id, r.address FROM recipients r JOIN emails e ON e.id = r.email_id "
                                 "WHERE r.kind = 'cc' LIMIT 1").fetchone()
     assert enron_db.read(row[0], inbox=row[1]) is not None
+
+
+def test_readme_search_and_read_examples_find_mail(demo_db_path):
+    """The README's `search` and `read` lines, run as printed against a fresh demo build, return mail."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("python train_email_search_agent.py search --db "
+                                                                       "data/demo.db") or line.startswith(
+        "python train_email_search_agent.py read --db data/demo.db")]
+    assert len(lines) == 2
+    for line in lines:
+        args = [arg.strip("'") for arg in line.split()[1:]]
+        args[args.index("data/demo.db")] = str(demo_db_path)
+        result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "<demo." in result.stdout and "no matches" not in result.stdout, (line, result.stdout)

@@ -1,5 +1,6 @@
 """The README's "Your own inbox" walkthrough, end to end, as a user types it: an mbox export -> build-db ->
-generate-questions (a scripted LLM writes the questions) -> evaluate (a scripted agent) -> a tiny CPU train."""
+generate-questions (a scripted LLM writes the questions) -> evaluate (a scripted agent) -> a tiny CPU train,
+and the CPU recipe: a teacher evaluated on the train split, then a warm start distilled from its episodes."""
 
 import json
 import mailbox
@@ -87,6 +88,31 @@ def test_walkthrough_build_generate_evaluate(walkthrough):
             server.base_url, "--output", tmp / "eval", "--art-dir", tmp / "art")
     summary = json.loads((tmp / "eval" / "summary.json").read_text())["models"]["hosted_vllm/scripted"]
     assert summary["n"] == 4 and summary["accuracy"] == 1.0
+
+
+@pytest.mark.slow
+def test_walkthrough_cpu_warm_start_from_a_teacher(walkthrough):
+    """Step 4 on a CPU: the teacher's right, correctly cited train-split episodes become the warm start."""
+    tmp, server, agent, _ = walkthrough
+    db = EmailDB(tmp / "my.db")
+    train_qs = qmod.select_questions(db, "train", single_source=True)
+    db.close()
+    agent.update({q.question: expert_script(q) for q in train_qs})
+    agent[train_qs[0].question] = expert_script(train_qs[0], answer="9999")  # a wrong answer
+    shape = ["--max-turns", 3, "--max-body-chars", 600, "--search-results", 3]
+    command("test_email_search_agent.py", "--db", tmp / "my.db", "--split", "train", "--single-source", "--model",
+            "hosted_vllm/scripted", "--base-url", server.base_url, "--output", tmp / "teacher", "--art-dir", tmp / "art",
+            *shape)
+    result = command("train_email_search_agent.py", "train", "--db", tmp / "my.db", "--name", "distil", "--art-dir",
+                     tmp / "art", "--sft-from", tmp / "teacher", "--sft-only", "--sft-epochs", 1, "--sft-batch-size", 4,
+                     *shape, "--max-tokens", 48, "--val-size", 0, "--cpu-train-threads", 1)
+    assert "the teacher played" not in result.stderr
+    # The wrong answer is left out: it would teach the small model to invent.
+    assert f"warm start: {len(train_qs) - 1} trajectories from {tmp / 'teacher'}" in result.stderr, result.stderr
+    run = tmp / "art" / "email-agent" / "models" / "distil"
+    assert (run / "checkpoints" / "0001").is_dir()
+    sft_rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines() if "train/loss" in line]
+    assert len(sft_rows) == 1 and sft_rows[0]["train/num_trajectories"] > 0
 
 
 @pytest.mark.slow

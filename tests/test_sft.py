@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -86,6 +87,22 @@ def test_teacher_folder_keeps_exactly_the_judged_correct_cited_train_episodes(de
     assert messages[2]["tool_calls"][0]["function"] == {"name": "read_email", "arguments": "{\"message_id\": \"m\"}"}
     assert "refusal" not in messages[2] and messages[2]["content"] == ""  # only what a chat template renders
     assert trajs[0].tools and trajs[0].metadata["teacher"] == "openai/o4-mini"
+
+
+def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, caplog):
+    train_id = qmod.select_questions(demo_db, "train")[0].id
+    shape = {"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10}
+    (tmp_path / "results.jsonl").write_text(json.dumps({**record(train_id), "episode": shape}) + "\n")
+    same = RolloutConfig(max_turns=10, max_body_chars=4000, search_results=10)
+    with caplog.at_level(logging.WARNING, logger="email_agent"):
+        assert len(teacher_trajectories(tmp_path, demo_db, same)) == 1
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="email_agent"):
+        assert len(teacher_trajectories(tmp_path, demo_db, RolloutConfig(max_turns=4, max_body_chars=600,
+                                                                         search_results=3))) == 1
+    [warning] = caplog.records
+    assert ("the teacher played max_turns 10, max_body_chars 4000, search_results 10, this run trains with "
+            "max_turns 4, max_body_chars 600, search_results 3") in warning.getMessage()
 
 
 def test_bad_sources_are_clear_errors(demo_db, tmp_path):
