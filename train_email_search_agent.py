@@ -495,8 +495,19 @@ def train_command(args) -> None:
     # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
     loop = asyncio.new_event_loop()
     task = loop.create_task(train(cfg))
-    loop.add_signal_handler(signal.SIGTERM, task.cancel)
-    loop.add_signal_handler(signal.SIGINT, task.cancel)
+
+    def stop() -> None:
+        # ART's gather counts a cancelled rollout as a failed one and goes on with the others, so cancelling the
+        # run alone would wait for the whole step's rollouts: the rollouts in flight are cancelled too.
+        from email_agent.rollout import rollout
+
+        task.cancel()
+        for other in asyncio.all_tasks(loop):
+            if getattr(other.get_coro(), "cr_code", None) is rollout.__code__:
+                other.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    loop.add_signal_handler(signal.SIGINT, stop)
     try:
         loop.run_until_complete(task)
     except asyncio.CancelledError:

@@ -112,6 +112,30 @@ def test_interrupt_shuts_down_cleanly(demo_db_path, tmp_path, sig):
         socket.create_connection(("127.0.0.1", port), timeout=2)
 
 
+@pytest.mark.slow
+def test_interrupt_mid_step_cancels_the_rollouts_in_flight(demo_db_path, tmp_path):
+    """ART's gather counts a cancelled rollout as a failed one and waits for the others: one Ctrl-C must still
+    end the step now, not after every rollout of it has played out (minutes with these settings)."""
+    proc = subprocess.Popen(train_cmd(demo_db_path, tmp_path / "art", "--sft-from", "", "--groups-per-step", 4,
+                                      "--rollouts-per-group", 4, "--max-turns", 6, "--max-tokens", 512, "--val-size", 1,
+                                      "--eval-every", 100), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:  # validation comes before the first step's rollouts
+            if line.startswith("val "):
+                break
+        time.sleep(3)  # the step's rollouts are decoding
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    rest = proc.stderr.read()
+    assert proc.returncode == 130, rest[-2000:]
+    assert "re-run the same command to resume" in rest and "Traceback" not in rest
+    assert "request failed" not in rest and "Task was destroyed" not in rest
+
+
 def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     cfg = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="a")
     cli.prepare_run(cfg, "cpu")

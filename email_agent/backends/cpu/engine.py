@@ -61,6 +61,10 @@ KEYS_TRANSPOSED = True  # the batch's key cache laid out with positions last (se
 stats: collections.Counter = collections.Counter()
 
 
+class EngineClosed(RuntimeError):
+    """What requests still queued or decoding get when the backend shuts down."""
+
+
 @dataclass(eq=False)
 class Generation:
     """One chat completion in flight; the worker fills tokens/logprobs/finish_reason."""
@@ -180,7 +184,7 @@ class Worker:
                     batch = _Batch(self)
         finally:
             _busy_workers.discard(self)
-        shutdown = RuntimeError("the CPU backend was closed")
+        shutdown = EngineClosed("the CPU backend was closed")
         for job in [*batch.rows, *self._pending, *self._calls]:
             _settle(job, error=shutdown)
 

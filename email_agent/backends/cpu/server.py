@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 
 from .checkpoints import load_merged
-from .engine import Generation, Worker
+from .engine import EngineClosed, Generation, Worker
 from .model import load_base_model
 from .toolcalls import parse_tool_calls
 
@@ -90,6 +90,8 @@ class Server:
             return _error_response(error.status, str(error))
         except web.HTTPException as error:
             return _error_response(error.status, error.reason)
+        except EngineClosed as error:  # shutting down (Ctrl-C mid-step): expected, not worth a line per request
+            return _error_response(503, str(error))
         except Exception as error:  # noqa: BLE001 (a failed request must not take the server down)
             logger.warning("request failed: %s: %s", type(error).__name__, error)
             return _error_response(500, f"{type(error).__name__}: {error}")
