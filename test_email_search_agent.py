@@ -39,11 +39,22 @@ async def evaluate(args) -> int:
     scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
                                         args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
+    if scoring.judge:
+        await scoring.judge.probe()
     if args.rejudge:
         results = Path(args.rejudge) / "results.jsonl"
         if not results.is_file():
             raise DataError(f"--rejudge {args.rejudge}: no results.jsonl there (an output folder of this command).")
-        stored = [json.loads(line) for line in results.read_text().splitlines() if line]
+        stored, torn = [], 0
+        for line in filter(str.strip, results.read_text().splitlines()):
+            try:
+                stored.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut off by a killed evaluation or a full disk
+                torn += 1
+        if torn:
+            print(f"note: {torn} unreadable line(s) in {results} skipped", file=sys.stderr)
+        if not stored:
+            raise DataError(f"--rejudge {args.rejudge}: results.jsonl holds no results to re-score.")
         if any(bool(r.get("grounded_answers")) != args.grounded_answers for r in stored):
             print(f"note: re-scoring {'with' if args.grounded_answers else 'without'} the grounding check "
                   f"(--grounded-answers), unlike the evaluation in {args.rejudge}", file=sys.stderr)
@@ -55,6 +66,9 @@ async def evaluate(args) -> int:
     db = EmailDB(args.db)
     questions = select_questions(db, args.split, single_source=args.single_source, seed=args.seed, limit=args.limit)
     if not questions:
+        splits = sorted({row[0] for row in db.conn.execute("SELECT DISTINCT split FROM questions")})
+        if splits and args.split not in splits:
+            raise DataError(f"--split {args.split!r}: {args.db} has the splits {', '.join(splits)}")
         raise DataError(f"No answerable {args.split!r} questions in {args.db}; write some with "
                         f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
     if args.wandb:
@@ -195,12 +209,24 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args) -> None:
+    """Numbers that would otherwise slice silently (--limit -5: all but 5) or hang (--concurrency 0)."""
+    for flag in ("limit", "concurrency", "max_turns", "max_tokens", "max_body_chars", "search_results"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
+    if repeated:
+        raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cli.log_to_stderr()
     cli.stop_on_sigterm()
     args.db = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     try:
+        check_args(args)
         if not args.model and not args.rejudge:
             args.model = [str(evaluation.latest_run(args.art_dir).path)]
         return asyncio.run(evaluate(args))

@@ -332,12 +332,15 @@ async def train(cfg: TrainConfig) -> None:
     if cfg.train_limit:
         train_questions = train_questions[:cfg.train_limit]
     if not train_questions:
-        raise DataError(f"No answerable training questions in {cfg.db} (after holding out {cfg.val_size} for validation); "
-                        f"write some with `python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`.")
+        held_out = f"after holding out {cfg.val_size} for validation: a smaller --val-size, or " if cfg.val_size else ""
+        raise DataError(f"No answerable training questions in {cfg.db} ({held_out}write some with "
+                        f"`python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`).")
     # replays of train questions asked before their answer arrived: groups where abstaining beats inventing
     rl_questions = with_unanswerable(train_questions, db, cfg.unanswerable_share, cfg.seed)
     reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
+    if judge:
+        await judge.probe()
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
@@ -491,6 +494,11 @@ def train_command(args) -> None:
                 "sft_batch_size", "max_turns", "max_tokens"):
         if getattr(cfg, key) < 1:
             raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
+    for key in ("val_size", "train_limit", "sft_limit", "max_steps"):
+        if getattr(cfg, key) < 0:
+            raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+    if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
+        raise DataError(f"--name {cfg.name!r}: a run needs a name that is a plain folder name")
     print(json.dumps(asdict(cfg)), file=sys.stderr)
     # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
     loop = asyncio.new_event_loop()

@@ -223,11 +223,36 @@ class LLMJudge:
         key = hashlib.sha256(json.dumps([self.model, question, gold, answer]).encode()).hexdigest()
         if key in self._cache:
             return self._cache[key]
+        try:
+            verdict = await self._ask(question, gold, answer)
+        except JudgeFailed as exc:  # recorded on the verdict, never raised: one bad call must not end a run
+            fallback = offline_verdict(answer, gold, question)
+            return Verdict(fallback.correct, "offline", fallback.reasoning, error=str(exc))
+        self._cache[key] = verdict
+        if self.cache_path:
+            with open(self.cache_path, "a") as f:
+                f.write(json.dumps({"key": key, "verdict": asdict(verdict)}) + "\n")
+        return verdict
+
+
+    async def probe(self) -> None:
+        """One uncached verdict before any real work. A judge that cannot run (no key, an unknown model, a dead
+        --judge-base-url) would otherwise grade every answer offline, each after its retries, and the summary
+        would look like a judge's; raises DataError instead."""
+        from .data import DataError
+
+        try:
+            await self._ask(*JUDGE_PROBE)
+        except JudgeFailed as exc:
+            raise DataError(f"{exc}; check --judge-model, --judge-base-url and the judge's API key "
+                            "(JUDGE_API_KEY, or the provider's own variable such as OPENAI_API_KEY)") from None
+
+    async def _ask(self, question: str, gold: str, answer: str) -> Verdict:
         import litellm
 
-        litellm.suppress_debug_info = True  # failures are recorded on the verdict, not printed as banners
+        litellm.suppress_debug_info = True  # failures are reported by the caller, not printed as banners
         messages = [{"role": "system", "content": JUDGE_PROMPT},
-                    {"role": "user", "content": f"Question: {question}\nReference answer: {gold}\nAI answer: {answer}"}]
+                    {"role": "user", "content": judge_request(question, gold, answer)}]
         retrying = tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(self.retries), reraise=True,
                                           wait=tenacity.wait_exponential(multiplier=0.5, max=10),
                                           retry=tenacity.retry_if_exception(is_transient))
@@ -237,18 +262,22 @@ class LLMJudge:
                     response = await litellm.acompletion(model=self.model, messages=messages, temperature=0,
                                                          max_tokens=300, num_retries=0, max_retries=0,
                                                          **self.litellm_params())
-                    verdict = parse_judge_reply(response.choices[0].message.content or "", self.model)
-        except Exception as exc:  # after retries, or at once when retrying cannot help: recorded, never raised
+                    return parse_judge_reply(response.choices[0].message.content or "", self.model)
+        except Exception as exc:  # after retries, or at once when retrying cannot help
             tries = retrying.statistics.get("attempt_number", 1)
-            fallback = offline_verdict(answer, gold, question)
-            return Verdict(fallback.correct, "offline", fallback.reasoning,
-                           error=f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
-                                 f"({type(exc).__name__}: {redact(str(exc)[:200])})")
-        self._cache[key] = verdict
-        if self.cache_path:
-            with open(self.cache_path, "a") as f:
-                f.write(json.dumps({"key": key, "verdict": asdict(verdict)}) + "\n")
-        return verdict
+            raise JudgeFailed(f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
+                              f"({type(exc).__name__}: {redact(str(exc)[:200])})") from exc
+
+
+JUDGE_PROBE = ("What is the meeting room?", "Room 4B", "It is in room 4B.")  # question, gold, answer
+
+
+def judge_request(question: str, gold: str, answer: str) -> str:
+    return f"Question: {question}\nReference answer: {gold}\nAI answer: {answer}"
+
+
+class JudgeFailed(Exception):
+    """The judge gave no usable verdict (its message is safe to show: secrets redacted)."""
 
 
 def is_transient(error: BaseException) -> bool:

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import ROOT, needs_enron
 from email_agent import questions as qmod
+from email_agent.rewards import JUDGE_PROBE, judge_request
 from scripted_server import call, expert_script, serve_in_thread
 
 import test_email_search_agent as evaluate
@@ -65,6 +66,14 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert second["reward_mode"] == "shaped" and second["reward"] > 1
     assert second["messages"] == first["messages"]  # nothing re-run
 
+    # a results.jsonl whose last line a killed evaluation cut off: the whole lines are re-scored
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    text = (tmp_path / "first" / "results.jsonl").read_text()
+    (torn / "results.jsonl").write_text(text + text[:40])
+    assert run_cli("--rejudge", torn, "--output", tmp_path / "third") == 0
+    assert len((tmp_path / "third" / "results.jsonl").read_text().splitlines()) == 1
+
 
 def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
                                                                         capsys):
@@ -103,9 +112,12 @@ def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_
     assert json.loads((tmp_path / "old-on" / "results.jsonl").read_text())["withheld"] == live["withheld"]
 
 
+JUDGE_OK = {judge_request(*JUDGE_PROBE): [{"text": '{"reasoning": "same room", "accept": true}'}]}
+
+
 def test_judge_failure_is_recorded_not_silent(demo_db_path, demo_questions, tmp_path):
     q = demo_questions[0]
-    scripts = {"expert": {q.question: expert_script(q)}, "judge": {"*": [{"status": 500}]}}
+    scripts = {"expert": {q.question: expert_script(q)}, "judge": {**JUDGE_OK, "*": [{"status": 500}]}}
     with serve_in_thread(scripts) as server:
         assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/expert", "--base-url", server.base_url,
                        "--limit", 1, "--judge-model", "openai/judge", "--judge-base-url", server.base_url,
@@ -113,6 +125,20 @@ def test_judge_failure_is_recorded_not_silent(demo_db_path, demo_questions, tmp_
     record = json.loads((tmp_path / "results.jsonl").read_text())
     assert record["metrics"]["judge_error"] == 1 and "judge openai/judge failed" in record["verdict"]["error"]
     assert record["verdict"]["judge"] == "offline" and record["metrics"]["answer_correct"] == 1  # fallback, flagged
+
+
+def test_a_judge_that_cannot_run_stops_the_evaluation_before_any_rollout(demo_db_path, demo_questions, tmp_path,
+                                                                        capsys):
+    """Not an evaluation graded offline in silence, each answer after its retries."""
+    q = demo_questions[0]
+    with serve_in_thread({"expert": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}) as server:
+        assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/expert", "--base-url", server.base_url,
+                       "--limit", 1, "--judge-model", "openai/judge", "--judge-base-url", server.base_url,
+                       "--output", tmp_path / "eval", "--art-dir", tmp_path / "art") == 1
+        assert [r["model"] for r in server.requests] == ["judge"]  # the probe, and no rollout
+    err = capsys.readouterr().err
+    assert "judge openai/judge failed after 1 try (AuthenticationError" in err and "JUDGE_API_KEY" in err
+    assert "Traceback" not in err and not (tmp_path / "eval").exists()
 
 
 @pytest.mark.parametrize("status, requests", [(500, 3), (429, 3), (401, 1), (400, 1)])
@@ -191,13 +217,28 @@ def test_endpoint_down_fails_within_seconds_and_writes_nothing(demo_db_path, tmp
 ])
 def test_probe_refused_key_and_unknown_model(demo_db_path, tmp_path, capsys, server_kwargs, spec, message):
     with serve_in_thread({}, **server_kwargs) as server:
-        rc = run_cli("--db", demo_db_path, "--model", "hosted_vllm/expert", "--model", spec, "--base-url",
-                     server.base_url, "--api-key", "wrong", "--limit", 2, "--output", tmp_path / "out")
+        models = [arg for model in dict.fromkeys(["hosted_vllm/expert", spec]) for arg in ("--model", model)]
+        rc = run_cli("--db", demo_db_path, *models, "--base-url", server.base_url, "--api-key", "wrong", "--limit", 2,
+                     "--output", tmp_path / "out")
         asked = [r["messages"][0]["content"] for r in server.requests]
     err = capsys.readouterr().err
     assert rc == 1 and message in err and "Traceback" not in err
     assert all(q == "Say OK." for q in asked)  # no rollout started
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--limit", "-5"], "--limit must be at least 1, not -5"),
+    (["--limit", "0"], "--limit must be at least 1, not 0"),
+    (["--concurrency", "0"], "--concurrency must be at least 1, not 0"),
+    (["--model", "base", "--model", "base"], "--model base is given twice"),
+    (["--split", "tests"], "--split 'tests': "),
+])
+def test_numbers_that_would_slice_or_hang_are_refused(demo_db_path, tmp_path, capsys, flags, message):
+    models = [] if "--model" in flags else ["--model", "base"]
+    assert run_cli("--db", demo_db_path, *models, *flags, "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "out").exists()
 
 
 def test_failed_rollouts_count_as_wrong_and_a_model_that_always_fails_exits_nonzero(demo_db_path, demo_questions,
@@ -423,3 +464,7 @@ def test_a_crashing_rollout_keeps_the_finished_ones(demo_db_path, demo_questions
 def test_rejudge_of_a_folder_without_results_is_a_clear_error(tmp_path, capsys):
     assert run_cli("--rejudge", tmp_path / "nothing-here", "--output", tmp_path / "out") == 1
     assert "no results.jsonl there" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "results.jsonl").write_text("")
+    assert run_cli("--rejudge", tmp_path / "empty", "--output", tmp_path / "out") == 1
+    assert "holds no results to re-score" in capsys.readouterr().err and not (tmp_path / "out").exists()
