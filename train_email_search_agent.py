@@ -43,6 +43,10 @@ def build_db(args) -> None:
     from email_agent import build
 
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
+    if args.demo and (args.emails or args.questions):
+        raise DataError("--demo builds the bundled demo inbox; it takes no --emails or --questions")
+    build.check_target(db_path, [args.emails, args.questions], brings_questions=not args.emails or bool(args.questions),
+                       overwrite=args.overwrite)
     emails, question_rows, source, total = build.open_sources(demo=args.demo, emails=args.emails,
                                                               questions=args.questions)
     if args.emails and not args.questions:
@@ -324,7 +328,7 @@ async def train(cfg: TrainConfig) -> None:
     backend_name = backends.resolve_backend(cfg.backend)
     cfg.base_model = cfg.base_model or backends.default_base_model(backend_name)
     if cfg.demo and not Path(cfg.db).exists():
-        build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True))
+        build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True, overwrite=False))
     db = EmailDB(cfg.db)
     questions = select_questions(db, "train", single_source=cfg.single_source, min_realistic=cfg.min_realistic,
                                  seed=cfg.seed)
@@ -539,6 +543,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", metavar="PATH", help="local questions: .jsonl(.gz) or .parquet with the ART·E schema "
                                                       "(default: Hugging Face corbt/enron_emails_sample_questions)")
     p.add_argument("--db", metavar="PATH", help=f"output database (default {DEFAULT_DB}; with --demo {DEMO_DB})")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --db even though its questions are lost (this build brings none)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=build_db)
 

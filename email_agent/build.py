@@ -7,6 +7,7 @@ record normalisation, read-only access) and `questions` (the question schema), w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
+from urllib.parse import quote
 
 from tqdm import tqdm
 
@@ -75,6 +77,37 @@ def open_sources(*, demo: bool = False, emails: str | None = None, questions: st
         question_rows = [] if emails else read_hub_questions()
     total = len(email_rows) if hasattr(email_rows, "__len__") else None
     return email_rows, question_rows, str(emails) if emails else "hf:corbt/enron-emails", total
+
+
+def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brings_questions: bool,
+                 overwrite: bool = False) -> None:
+    """Refuse a build that would destroy what it cannot give back (DataError): a source file of its own, a file
+    that is not a database, or the questions of the database it replaces when it brings none (generate-questions'
+    cost money) unless `overwrite`. A corrupt database of this tool may be replaced: that is how it is repaired."""
+    db_path = Path(db_path)
+    if db_path.is_dir():
+        raise DataError(f"--db {db_path} is a folder; give a file path, such as {db_path / 'emails.db'}")
+    for source in filter(None, sources):
+        if db_path.resolve() == Path(source).expanduser().resolve():
+            raise DataError(f"--db {db_path} is the source {source} itself: build into another file")
+    if not db_path.exists():
+        return
+    with open(db_path, "rb") as f:
+        header = f.read(16)
+    if header and header != b"SQLite format 3\x00":
+        raise DataError(f"--db {db_path} exists and is not a database; not replacing it: choose another --db, or "
+                        "delete that file first")
+    if brings_questions or overwrite:
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{quote(str(db_path.resolve()))}?mode=ro", uri=True)) as conn:
+            held = conn.execute("SELECT count(*) FROM questions").fetchone()[0]
+    except sqlite3.DatabaseError:
+        return  # not one of ours after all, or corrupt: nothing to keep
+    if held:
+        raise DataError(f"{db_path} holds {held:,} questions, and this build has no --questions: replacing it would "
+                        f"drop them (rebuilding adds no questions back; generate-questions' cost money). Build into "
+                        f"another --db, or pass --overwrite to replace it anyway")
 
 
 def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: str | os.PathLike, *,

@@ -188,26 +188,35 @@ def message_to_record(msg: email.message.Message, file_name: str) -> dict:
 # Sources: each yields raw records (dicts); normalize_email makes them uniform.
 # ----------------------------------------------------------------------------------------------
 
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
-
-
 def read_jsonl(path: Path) -> Iterator[dict]:
-    with _open_text(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                yield {"_error": f"line {line_no} is not JSON"}
+    line_no = 0
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:  # a binary file or another encoding: not worth reading on
+                    raise DataError(f"{path}: line {line_no} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                                    "JSON Lines are UTF-8 text") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield {"_error": f"line {line_no} is not JSON"}
+    except (gzip.BadGzipFile, EOFError) as exc:  # not gzip, or cut off
+        raise DataError(f"{path} is not a complete gzip file (after line {line_no}: {exc})") from None
 
 
 def read_parquet(path: Path) -> Iterator[dict]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=2048):
-        yield from batch.to_pylist()
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=2048):
+            yield from batch.to_pylist()
+    except (pyarrow.ArrowException, OSError) as exc:
+        raise DataError(f"{path} is not a readable Parquet file ({exc})") from None
 
 
 # Files in mail folders that are not mail: Thunderbird indexes, Apple Mail and Dovecot/Courier bookkeeping.

@@ -23,6 +23,7 @@ from email_agent.backends.cpu import engine, load_base_model
 from email_agent.backends.cpu import model as model_module
 from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache, propose_draft, verify
 from email_agent.backends.cpu.trainer import without_choice_tool_calls
+from email_agent.data import DataError
 
 import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
 import art  # noqa: E402
@@ -822,7 +823,7 @@ def test_unknown_base_model_is_a_clear_error(loop, tmp_path):
         finally:
             await backend.close()
 
-    with pytest.raises(FileNotFoundError, match="not attempted offline"):
+    with pytest.raises(DataError, match="not attempted offline"):
         loop.run_until_complete(run())
 
 

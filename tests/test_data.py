@@ -330,3 +330,47 @@ def test_readme_search_and_read_examples_find_mail(demo_db_path):
         result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "<demo." in result.stdout and "no matches" not in result.stdout, (line, result.stdout)
+
+
+def test_build_db_never_destroys_what_it_cannot_give_back(small_db, tmp_path):
+    """Its own source, a file that is not a database, the questions of the database it replaces."""
+    def build_db(*args):
+        return subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--quiet",
+                               *map(str, args)], capture_output=True, text=True, timeout=120)
+
+    export = tmp_path / "mail.jsonl"
+    export.write_text("".join(json.dumps(record(i)) + "\n" for i in range(3)))
+    before = export.read_bytes()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database")
+    with_questions = tmp_path / "small.db"  # small_db's, with its questions
+    kept = with_questions.read_bytes()
+    refusals = [(["--emails", export, "--db", export], "is the source"),
+                (["--emails", export, "--db", notes], "is not a database"),
+                (["--emails", export, "--db", tmp_path], "is a folder"),
+                (["--emails", export, "--db", with_questions], "--overwrite"),
+                (["--demo", "--emails", export, "--db", tmp_path / "d.db"], "takes no --emails")]
+    for args, message in refusals:
+        proc = build_db(*args)
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+    assert export.read_bytes() == before and notes.read_text() == "not a database"
+    assert with_questions.read_bytes() == kept and not (tmp_path / "d.db").exists()
+    assert "holds 4 questions" in build_db("--emails", export, "--db", with_questions).stderr
+    assert build_db("--emails", export, "--db", with_questions, "--overwrite").returncode == 0
+    assert EmailDB(with_questions).conn.execute("SELECT count(*) FROM questions").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("mail.parquet", b"not parquet at all", "is not a readable Parquet file"),
+    ("mail.jsonl", json.dumps(record(1)).encode() + b"\n" + "caf\u00e9".encode("latin-1") + b"\n",
+     "line 2 is not UTF-8"),
+    ("mail.jsonl.gz", gzip.compress(json.dumps(record(1)).encode())[:20], "is not a complete gzip file"),
+])
+def test_unreadable_source_files_are_one_line_errors(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    for flag in ("--emails", "--questions"):
+        args = [flag, tmp_path / name] if flag == "--emails" else ["--emails", tmp_path / name, flag, tmp_path / name]
+        proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--quiet",
+                               "--db", tmp_path / "out.db", *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not (tmp_path / "out.db").exists()

