@@ -431,10 +431,6 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         if cfg.max_questions:
             summary.beyond_limit = max(0, len(accepted) - cfg.max_questions)
             accepted = accepted[:cfg.max_questions]
-        if summary.failed_batches and summary.batches == sum(summary.failed_batches.values()):
-            reason = summary.failed_batches.most_common(1)[0][0]
-            raise DataError(f"{cfg.model} gave no usable reply for any of {summary.batches} batches ({reason}); "
-                            f"check the model name, --base-url and the API key in the environment.")
         placed = [q for q in assign_splits(accepted, stored, cfg.test_fraction, cfg.seed) if q["split"]]
         for q in accepted:
             if q["split"] is None:
@@ -445,6 +441,13 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         return summary
     finally:
         conn.close()
+
+
+def no_usable_reply(cfg: GenerateConfig, summary: GenerateSummary) -> str:
+    reason = summary.failed_batches.most_common(1)[0][0]
+    asked = f"any of the first {summary.batches} batches" if summary.batches > 1 else "the first batch"
+    return (f"{cfg.model} gave no usable reply for {asked} ({reason}); check the "
+            f"model name, --base-url and the API key in the environment (the log above has the provider's words).")
 
 
 def _reject(summary: GenerateSummary, reason: str, question) -> None:
@@ -493,6 +496,8 @@ async def _run(batches, conn, cfg, cache, stored, summary, progress) -> list[dic
                         continue
                     seen.setdefault(q["inbox"], []).append(ws)
                     accepted.append(q)
+            if sum(summary.failed_batches.values()) == summary.batches:  # the whole first window failed
+                raise DataError(no_usable_reply(cfg, summary))
             known = [c for c in costs if c is not None]
             summary.cost_usd = sum(known) if known or not costs else None  # nothing asked: nothing spent
             bar.set_postfix_str(f"accepted={len(accepted)} rejected={sum(summary.rejected.values())}"

@@ -164,9 +164,17 @@ def test_split_never_shares_an_email_between_train_and_test():
 
 def test_replies_that_never_parse_are_counted_and_all_failures_are_one_error(db_path, capsys):
     with serve_in_thread({"gen": lambda body: {"text": '{"answers": []}'}}) as server:
-        with pytest.raises(DataError, match='no usable reply for any of 3 batches \\(reply has no "questions" list\\)'):
+        with pytest.raises(DataError, match='no usable reply for any of the first 3 batches \\(reply has no "questions" list\\)'):
             generate.generate_questions(db_path, config(server.base_url), progress=False)
     assert len(server.requests) == 6 and stored(db_path) == []
+
+
+def test_a_model_that_cannot_answer_stops_the_run_after_the_first_window(db_path):
+    """A missing key or a wrong model name shows in the first replies: not after every batch has failed."""
+    with serve_in_thread({"gen": lambda body: {"status": 401}}) as server:
+        with pytest.raises(DataError, match="for the first batch \\(API error: AuthenticationError\\)"):
+            generate.generate_questions(db_path, config(server.base_url, concurrency=1), progress=False)
+    assert len(server.requests) == 2  # one batch, its two tries; the other two batches never asked
 
 
 def test_a_model_that_fails_for_some_batches_loses_only_those(db_path):
