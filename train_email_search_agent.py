@@ -80,6 +80,7 @@ def search(args) -> None:
     from dataclasses import asdict
 
     db = EmailDB(args.db)
+    db.require_inbox(args.inbox)
     try:
         results = db.search(args.inbox, args.keywords, from_address=args.from_address, to_address=args.to_address,
                             sent_after=args.after, sent_before=args.before,
@@ -101,10 +102,16 @@ def read(args) -> None:
     from dataclasses import asdict
 
     db = EmailDB(args.db)
+    if args.inbox:
+        db.require_inbox(args.inbox)
     email = db.read(args.message_id, inbox=args.inbox, visible_until=visible_until(args.as_of))
     if email is None:
-        where = f" in the inbox of {args.inbox}" if args.inbox else ""
-        raise DataError(f"No email with message_id {args.message_id!r}{where}.")
+        if db.read(args.message_id) is None:
+            hint = "" if args.message_id.startswith("<") else f" (ids are written with angle brackets: '<{args.message_id}>')"
+            raise DataError(f"No email with message_id {args.message_id!r}{hint}.")
+        hidden = [f"--inbox {args.inbox}" if args.inbox else "", f"--as-of {args.as_of}" if args.as_of else ""]
+        raise DataError(f"Email {args.message_id!r} exists, but {' '.join(filter(None, hidden))} hides it (not that "
+                        "inbox's, or sent after that day).")
     if args.json:
         print(json.dumps(asdict(email), indent=2, ensure_ascii=False))
         return

@@ -23,9 +23,7 @@ def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Que
     """A question asked with `ask`: no gold answer or emails, so the rollout grades nothing."""
     if not text.strip():
         raise DataError("the question is empty.")
-    if db.inbox_size(inbox) == 0:
-        known = ", ".join(f"{address} ({count})" for address, count in db.largest_inboxes(5))
-        raise DataError(f"{db.path} has no mail sent or received by {inbox!r}; its largest inboxes: {known}.")
+    db.require_inbox(inbox)
     as_of = as_of or date.today().isoformat()
     visible_until(as_of)  # a one-sentence error for a malformed date
     return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")

@@ -409,6 +409,12 @@ class EmailDB:
         return self.conn.execute("SELECT address, COUNT(*) AS k FROM mailbox GROUP BY address ORDER BY k DESC LIMIT ?",
                                  (n,)).fetchall()
 
+    def require_inbox(self, address: str) -> None:
+        """DataError naming the largest inboxes when `address` has no mail at all: a typo, not an empty result."""
+        if self.inbox_size(address) == 0:
+            known = ", ".join(f"{inbox} ({count})" for inbox, count in self.largest_inboxes(5))
+            raise DataError(f"{self.path} has no mail sent or received by {address!r}; its largest inboxes: {known}.")
+
     def search(self, inbox: str, keywords: Iterable[str], *, from_address: str | None = None,
                to_address: str | None = None, sent_after: str | None = None, sent_before: str | None = None,
                visible_until: str | None = None, max_results: int = 10) -> list[SearchResult]:

@@ -374,3 +374,21 @@ def test_unreadable_source_files_are_one_line_errors(tmp_path, name, content, me
                                "--db", tmp_path / "out.db", *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
         assert not (tmp_path / "out.db").exists()
+
+
+def test_search_and_read_mistakes_say_what_went_wrong(demo_db_path):
+    """A mistyped inbox is not an empty search, and a hidden email is not a missing one."""
+    def run(*args):
+        proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), *args, "--db", str(demo_db_path)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        return proc.stderr
+
+    assert "has no mail sent or received by 'nobody@x.example'; its largest inboxes: " in run(
+        "search", "--inbox", "nobody@x.example", "egret")
+    assert "has no mail sent or received by 'nobody@x.example'" in run(
+        "read", "<demo.000083@larkspur.example>", "--inbox", "nobody@x.example")
+    assert "ids are written with angle brackets: '<demo.000083@larkspur.example>'" in run(
+        "read", "demo.000083@larkspur.example")
+    assert "exists, but --as-of 2024-01-01 hides it" in run("read", "<demo.000083@larkspur.example>",
+                                                            "--as-of", "2024-01-01")
