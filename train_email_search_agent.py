@@ -127,6 +127,9 @@ def read(args) -> None:
 def ask(args) -> None:
     from email_agent import ask, evaluation
 
+    for flag in ("max_turns", "max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     spec, db = ask.model_and_db(args.model, args.db, args.art_dir, DEFAULT_DB)
     question = ask.adhoc_question(db, args.question, args.inbox, args.as_of)
     options = evaluation.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,

@@ -98,6 +98,8 @@ def test_ask_out_of_turns_and_made_up_sources(demo_db_path, q, tmp_path, capsys)
     (["--as-of", "yesterday"], "--as-of must be a date"),
     (["--model", "hosted_vllm/x", "--base-url", "http://127.0.0.1:9/v1"], "cannot reach http://127.0.0.1:9/v1"),
     (["--model", "nonsense"], "neither a run"),
+    (["--max-turns", "0"], "--max-turns must be at least 1, not 0"),
+    (["--max-tokens", "-1"], "--max-tokens must be at least 1, not -1"),
 ])
 def test_ask_bad_input_is_one_clear_error(demo_db_path, q, tmp_path, capsys, argv, message):
     defaults = {"--inbox": q.inbox_address, "--model": "hosted_vllm/x", "--base-url": "http://127.0.0.1:9/v1"}
