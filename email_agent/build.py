@@ -190,7 +190,8 @@ def _fill(conn, emails, questions, summary, source, total, progress):
                  "UNION ALL SELECT address, email_id FROM recipients) ORDER BY address, email_id")
     summary.emails = len(seen)
     if summary.emails == 0:
-        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped).")
+        first = f"; first: {summary.skip_examples[0]}" if summary.skip_examples else ""
+        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped{first}).")
 
     # A 32 MB term buffer (default 1 MB) writes fewer, larger FTS segments, so less merging.
     conn.execute("INSERT INTO emails_fts(emails_fts, rank) VALUES ('hashsize', 33554432)")
@@ -216,6 +217,9 @@ def _fill(conn, emails, questions, summary, source, total, progress):
                      (q.id, q.question, q.answer, json.dumps(q.message_ids), q.how_realistic,
                       q.inbox_address, q.query_date, q.split, int(gold_in_db), None, None))
     summary.questions = split_counts
+    if summary.questions_skipped and not split_counts:  # e.g. the emails file given as --questions
+        raise DataError(f"No usable questions among {summary.questions_skipped} records (first: "
+                        f"{summary.question_skip_examples[0]}); is that the questions file?")
 
     summary.addresses = conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
     summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()

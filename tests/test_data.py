@@ -392,3 +392,15 @@ def test_search_and_read_mistakes_say_what_went_wrong(demo_db_path):
         "read", "demo.000083@larkspur.example")
     assert "exists, but --as-of 2024-01-01 hides it" in run("read", "<demo.000083@larkspur.example>",
                                                             "--as-of", "2024-01-01")
+
+
+def test_swapped_emails_and_questions_files_are_caught(tmp_path):
+    emails, qs = tmp_path / "emails.jsonl", tmp_path / "questions.jsonl"
+    emails.write_text("".join(json.dumps(record(i)) + "\n" for i in range(3)))
+    qs.write_text("".join(json.dumps(question(i)) + "\n" for i in range(3)))
+    for args, message in [(["--emails", qs], "No usable emails in"), (["--emails", emails, "--questions", emails],
+                                                                       "is that the questions file?")]:
+        proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--quiet", "--db",
+                               tmp_path / "out.db", *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and message in proc.stderr and "first: record 1: missing" in proc.stderr
+        assert not (tmp_path / "out.db").exists()
