@@ -59,7 +59,7 @@ async def evaluate(args) -> int:
             print(f"note: re-scoring {'with' if args.grounded_answers else 'without'} the grounding check "
                   f"(--grounded-answers), unlike the evaluation in {args.rejudge}", file=sys.stderr)
         records = [await evaluation.rejudge_record(r, scoring) for r in tqdm(stored, desc="re-judging", unit=" answers")]
-        out.mkdir(parents=True, exist_ok=True)
+        keep_previous(out)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return finish(out, records, {})
 
@@ -93,7 +93,7 @@ async def evaluate(args) -> int:
             print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
         print(f"evaluating {len(contestants)} model(s) on {len(questions)} {args.split} questions -> {out}",
               file=sys.stderr)
-        out.mkdir(parents=True, exist_ok=True)
+        keep_previous(out)
         correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
         bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
 
@@ -207,6 +207,21 @@ def make_parser() -> argparse.ArgumentParser:
                                                         "WANDB_API_KEY; tracing is skipped if Weave cannot start)")
     p.add_argument("--project", default=evaluation.PROJECT, help=f"W&B project for --wandb (default {evaluation.PROJECT})")
     return p
+
+
+def keep_previous(out: Path) -> None:
+    """Create `out`; an evaluation already there moves aside to OUT-<its time> rather than being overwritten
+    (its results.jsonl is what --rejudge needs)."""
+    if (out / "results.jsonl").exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((out / "results.jsonl").stat().st_mtime))
+        kept = out.with_name(f"{out.name}-{stamp}")
+        n = 1
+        while kept.exists():
+            n += 1
+            kept = out.with_name(f"{out.name}-{stamp}-{n}")
+        out.rename(kept)
+        print(f"note: the previous evaluation in {out} is now in {kept}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def check_args(args) -> None:

@@ -74,6 +74,12 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert run_cli("--rejudge", torn, "--output", tmp_path / "third") == 0
     assert len((tmp_path / "third" / "results.jsonl").read_text().splitlines()) == 1
 
+    # an evaluation written where one already is moves the earlier one aside, never over it
+    earlier = (tmp_path / "third" / "results.jsonl").read_text()
+    assert run_cli("--rejudge", tmp_path / "second", "--output", tmp_path / "third") == 0
+    [kept] = tmp_path.glob("third-*")
+    assert (kept / "results.jsonl").read_text() == earlier and (tmp_path / "third" / "report.html").exists()
+
 
 def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
                                                                         capsys):
