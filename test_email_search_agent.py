@@ -63,6 +63,8 @@ async def evaluate(args) -> int:
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return finish(out, records, {})
 
+    if args.demo and not Path(args.db).exists():
+        raise DataError(f"No demo database at {args.db}; build it with `python train_email_search_agent.py build-db --demo`.")
     db = EmailDB(args.db)
     questions = select_questions(db, args.split, single_source=args.single_source, seed=args.seed, limit=args.limit)
     if not questions:

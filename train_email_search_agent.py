@@ -511,6 +511,9 @@ def train_command(args) -> None:
     for key in ("val_size", "train_limit", "sft_limit", "max_steps"):
         if getattr(cfg, key) < 0:
             raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+    if cfg.sft_from not in ("", "demo-expert") and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
+        raise DataError(f"--sft-from {cfg.sft_from}: expected 'demo-expert' or an evaluation folder with results.jsonl "
+                        "(an output folder of test_email_search_agent.py)")
     if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
         raise DataError(f"--name {cfg.name!r}: a run needs a name that is a plain folder name")
     print(json.dumps(asdict(cfg)), file=sys.stderr)
