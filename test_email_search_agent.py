@@ -90,7 +90,8 @@ async def evaluate(args) -> int:
         contestants = [await evaluation.open_contestant(spec, options, stack, shared) for spec in args.model]
         for contestant in contestants:
             await evaluation.probe(contestant)
-        histories = {c.label: report.load_history(c.history) for c in contestants if c.history and c.history.exists()}
+        histories = {c.label: report.load_history(c.history, c.step) for c in contestants
+                     if c.history and c.history.exists()}
         for c in contestants:
             print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
         print(f"evaluating {len(contestants)} model(s) on {len(questions)} {args.split} questions -> {out}",

@@ -190,8 +190,10 @@ def _fill(conn, emails, questions, summary, source, total, progress):
                  "UNION ALL SELECT address, email_id FROM recipients) ORDER BY address, email_id")
     summary.emails = len(seen)
     if summary.emails == 0:
-        first = f"; first: {summary.skip_examples[0]}" if summary.skip_examples else ""
-        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped{first}).")
+        if not summary.skipped:
+            raise DataError(f"No emails in {source}.")
+        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped; "
+                        f"first: {summary.skip_examples[0]}).")
 
     # A 32 MB term buffer (default 1 MB) writes fewer, larger FTS segments, so less merging.
     conn.execute("INSERT INTO emails_fts(emails_fts, rank) VALUES ('hashsize', 33554432)")

@@ -268,8 +268,13 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
         return read_jsonl(path)
     if name.endswith(".parquet"):
         return read_parquet(path)
-    if name.endswith(".mbox") or _looks_like_mbox(path):
+    if _looks_like_mbox(path):
         return read_mbox(path)
+    if name.endswith(".mbox"):
+        with open(path, "rb") as f:
+            first = f.readline(80).decode("utf-8", "replace").strip()
+        raise DataError(f"{path} is not an mbox file: " + (f"its first line is {first!r}, and an mbox's messages each "
+                        f"begin with a 'From ' line" if first else "it is empty"))
     if name.endswith(".eml"):
         with open(path, "rb") as f:
             return iter([message_to_record(email.message_from_binary_file(f, policy=email.policy.compat32), path.name)])

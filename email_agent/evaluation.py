@@ -154,6 +154,7 @@ class Contestant:
     backend: str  # cpu | local | serverless | tinker | api (a prompted model)
     price_model: str | None = None  # litellm name to price tokens with
     history: Path | None = None  # a trained run's history.jsonl, for the learning curve
+    step: int | None = None  # the trained run's checkpoint: the curve ends there
 
     @property
     def tool_choice(self) -> str:
@@ -184,11 +185,17 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
         if run.backend == "cpu":
             number, ckpt = run.checkpoint(step)
             label = f"{run.name}@{number}"
-            client = await serve_on_cpu(run.base_model, ckpt, label, options, stack)
+            try:
+                client = await serve_on_cpu(run.base_model, ckpt, label, options, stack)
+            except DataError as exc:
+                others = [str(n) for n in run.steps() if n != number]
+                raise DataError(f"{exc}" + (f" The run's other checkpoints: {', '.join(others)} (--model "
+                                             f"{run.name}@{others[-1]})." if others else "")) from None
         else:
             client, label, served = await serve_with_art(run, step, stack, options.timeout)
         policy = Policy(client, label if run.backend == "cpu" else served, max_tokens=shape.max_tokens, **common)
-        return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl")
+        return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl",
+                          step=int(label.rpartition("@")[2]))
 
     shape = (default_shape or EpisodeShape()).override(**options.shape)
     if name == "base":

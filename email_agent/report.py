@@ -189,15 +189,17 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def load_history(path) -> list[dict]:
-    """Rows of an ART history.jsonl; blank, corrupt or non-object lines are skipped."""
+def load_history(path, until_step: int | None = None) -> list[dict]:
+    """Rows of an ART history.jsonl, up to `until_step` (the evaluated checkpoint) if given; blank, corrupt or
+    non-object lines are skipped."""
     rows = []
     for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue  # a run killed mid-write leaves a truncated last line
-        if isinstance(row, dict):
+        if isinstance(row, dict) and not (until_step is not None and _is_number(row.get("step"))
+                                          and row["step"] > until_step):
             rows.append(row)
     return rows
 

@@ -235,6 +235,19 @@ def test_maildir_and_mbox_sources(tmp_path):
         data.read_emails(tmp_path / "missing.jsonl")
 
 
+def test_a_file_or_folder_without_mail_says_so(tmp_path):
+    (tmp_path / "notes.mbox").write_text("hello\nnot mail\n")
+    (tmp_path / "empty.mbox").write_text("")
+    with pytest.raises(data.DataError, match="is not an mbox file: its first line is 'hello'"):
+        data.read_emails(tmp_path / "notes.mbox")
+    with pytest.raises(data.DataError, match="is not an mbox file: it is empty"):
+        data.read_emails(tmp_path / "empty.mbox")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(data.DataError, match=r"^No emails in folder\.$"):
+        build_database(data.read_emails(tmp_path / "folder"), [], tmp_path / "a.db", source="folder", progress=False)
+    assert not (tmp_path / "a.db").exists()
+
+
 def test_hub_schema_via_parquet(tmp_path):
     """The Hugging Face corbt/enron-emails columns (from/to/cc/bcc, timestamp date), without the network."""
     import datetime as dt

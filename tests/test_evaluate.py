@@ -379,6 +379,17 @@ def test_a_gpu_run_without_a_gpu_says_what_is_missing_and_the_alternative(demo_d
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cpu_checkpoint_emptied_by_hand_names_the_others(demo_db_path, tmp_path, capsys):
+    run = make_gpu_run(tmp_path / "art", name="cpu")
+    config = json.loads((run / "run_config.json").read_text())
+    (run / "run_config.json").write_text(json.dumps({**config, "backend": "cpu", "base_model": "smollm2"}))
+    assert run_cli("--db", demo_db_path, "--model", "cpu@latest", "--art-dir", tmp_path / "art",
+                   "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert f"Could not load the LoRA checkpoint {run / 'checkpoints' / '0002'}" in err and "Traceback" not in err
+    assert "The run's other checkpoints: 1 (--model cpu@1)." in err and not (tmp_path / "out").exists()
+
+
 def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path, capsys, monkeypatch):
     run = make_gpu_run(tmp_path / "art", name="remote")
     config = json.loads((run / "run_config.json").read_text())

