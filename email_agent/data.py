@@ -219,6 +219,8 @@ def read_parquet(path: Path) -> Iterator[dict]:
         raise DataError(f"{path} is not a readable Parquet file ({exc})") from None
 
 
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")  # JSON Lines, one email record per line
+
 # Files in mail folders that are not mail: Thunderbird indexes, Apple Mail and Dovecot/Courier bookkeeping.
 NOT_MAIL_SUFFIXES = (".msf", ".plist", ".index", ".cache", ".log", ".json", ".dat", ".db", ".sqlite", ".toc",
                      ".html", ".htm")  # Thunderbird writes filterlog.html beside its folders
@@ -229,7 +231,8 @@ NOT_MAIL_NAMES = {"maildirfolder", "dovecot-uidlist", "dovecot-keywords", "dovec
 def read_maildir(root: Path) -> Iterator[dict]:
     """A folder of mail, however it is laid out: a CMU-style tree (every file one message), maildirs (cur/new,
     nested Maildir++ folders; tmp/ holds unfinished deliveries and is skipped), Thunderbird's mbox files and
-    their .sbd subfolders, Apple Mail's Name.mbox/mbox, and .eml files. Index files and dotfiles are skipped."""
+    their .sbd subfolders, Apple Mail's Name.mbox/mbox, and .eml files; JSON Lines and Parquet files in it are
+    read as such. Index files and dotfiles are skipped."""
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         name = path.name
         if name.startswith(".") or name in NOT_MAIL_NAMES or name.lower().endswith(NOT_MAIL_SUFFIXES) \
@@ -238,6 +241,12 @@ def read_maildir(root: Path) -> Iterator[dict]:
         if path.parent.name == "tmp" and (path.parent.parent / "cur").is_dir():
             continue
         label = str(path.relative_to(root.parent))
+        if name.lower().endswith(RECORD_SUFFIXES):
+            yield from read_jsonl(path)
+            continue
+        if name.lower().endswith(".parquet"):
+            yield from read_parquet(path)
+            continue
         if _looks_like_mbox(path):
             yield from read_mbox(path, label)
             continue
@@ -264,7 +273,7 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
     if path.is_dir():
         return read_maildir(path)
     name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+    if name.endswith(RECORD_SUFFIXES):
         return read_jsonl(path)
     if name.endswith(".parquet"):
         return read_parquet(path)

@@ -235,6 +235,20 @@ def test_maildir_and_mbox_sources(tmp_path):
         data.read_emails(tmp_path / "missing.jsonl")
 
 
+def test_a_folder_of_json_lines_parquet_and_mail_files(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "part1.jsonl").write_text("".join(json.dumps(record(i)) + "\n" for i in (1, 2)))
+    pq.write_table(pa.Table.from_pylist([record(3)]), folder / "part2.parquet")
+    (folder / "one.eml").write_bytes(b"Message-ID: <eml1@x>\nDate: Mon, 14 May 2001 16:39:00 -0700\n"
+                                     b"From: a@x.com\nTo: b@x.com\nSubject: Hi\n\nHello.\n")
+    ids = sorted(normalize_email(r)["message_id"] for r in data.read_emails(folder))
+    assert ids == ["<eml1@x>", "<m1@x>", "<m2@x>", "<m3@x>"]
+
+
 def test_a_file_or_folder_without_mail_says_so(tmp_path):
     (tmp_path / "notes.mbox").write_text("hello\nnot mail\n")
     (tmp_path / "empty.mbox").write_text("")
