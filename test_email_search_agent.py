@@ -17,6 +17,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
+import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -39,6 +42,7 @@ async def evaluate(args) -> int:
     scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
                                         args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
+    check_output(out)
     if scoring.judge:
         await scoring.judge.probe()
     if args.rejudge:
@@ -212,6 +216,15 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output(out: Path) -> None:
+    """Before any model is served: an --output that cannot become a folder is a one-line error."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise DataError(f"--output {out}: {existing} is a file; give a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"--output {out}: cannot write in {existing}")
+
+
 def keep_previous(out: Path) -> None:
     """Create `out`; an evaluation already there moves aside to OUT-<its time> rather than being overwritten
     (its results.jsonl is what --rejudge needs)."""
@@ -224,7 +237,10 @@ def keep_previous(out: Path) -> None:
             kept = out.with_name(f"{out.name}-{stamp}-{n}")
         out.rename(kept)
         print(f"note: the previous evaluation in {out} is now in {kept}", file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"--output {out}: {exc.strerror or exc}") from None
 
 
 def check_args(args) -> None:
@@ -233,6 +249,8 @@ def check_args(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if not args.timeout > 0 or math.isinf(args.timeout):  # NaN fails the first test
+        raise DataError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
     repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
     if repeated:
         raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
@@ -251,8 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
+    except sqlite3.DatabaseError as exc:  # damaged after it was opened (a disk error, a half-copied file)
+        print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import shutil
 import signal
+import sqlite3
 import sys
 import textwrap
 import time
@@ -67,9 +69,10 @@ def generate_questions(args) -> None:
     cfg = GenerateConfig(model=args.model, base_url=args.base_url, api_key=os.environ.get("QUESTIONS_API_KEY"),
                          inboxes=args.inbox or [], max_questions=args.max_questions, batch_size=args.batch_size,
                          test_fraction=args.test_fraction, min_realistic=args.min_realistic, seed=args.seed,
-                         replace=args.replace, temperature=args.temperature, concurrency=args.concurrency)
-    print(f"generating questions for {args.db} with {cfg.model} (temperature {cfg.temperature}); replies cached in "
-          f"{cache_path(args.db)}", file=sys.stderr)
+                         replace=args.replace, temperature=args.temperature, concurrency=args.concurrency,
+                         timeout=args.timeout)
+    print(f"generating questions for {args.db} with {cfg.model} (temperature {cfg.temperature}; a request waits up "
+          f"to {cfg.timeout:g} s, {cfg.retries} tries); replies cached in {cache_path(args.db)}", file=sys.stderr)
     summary = generate_questions(args.db, cfg, progress=not args.quiet)
     print("\n".join(summary.lines()))
 
@@ -500,12 +503,20 @@ def train_command(args) -> None:
         raise DataError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
     if cfg.sft_schedule not in ("constant", "linear", "cosine"):
         raise DataError(f"--sft-schedule is constant, linear or cosine, not {cfg.sft_schedule!r}")
-    if cfg.hallucination_penalty < 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
+    if not cfg.hallucination_penalty >= 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
         raise DataError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
+    for key in ("learning_rate", "sft_learning_rate"):
+        if not 0 < getattr(cfg, key) < math.inf:
+            raise DataError(f"--{key.replace('_', '-')} must be above 0, not {getattr(cfg, key)}")
+    if not 0 <= cfg.temperature < math.inf:
+        raise DataError(f"--temperature must be at least 0, not {cfg.temperature}")
+    if not 0 <= cfg.min_realistic <= 1:  # ART·E's how_realistic scores run from 0 to 1
+        raise DataError(f"--min-realistic must be between 0 and 1, not {cfg.min_realistic}")
     if not 0 <= cfg.unanswerable_share < 1:
         raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
-                "sft_batch_size", "max_turns", "max_tokens"):
+                "sft_batch_size", "max_turns", "max_tokens", "max_body_chars", "search_results", "lora_rank",
+                "lora_alpha"):
         if getattr(cfg, key) < 1:
             raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
     for key in ("val_size", "train_limit", "sft_limit", "max_steps"):
@@ -557,7 +568,8 @@ def make_parser() -> argparse.ArgumentParser:
                                                       "(default: Hugging Face corbt/enron_emails_sample_questions)")
     p.add_argument("--db", metavar="PATH", help=f"output database (default {DEFAULT_DB}; with --demo {DEMO_DB})")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --db even though its questions are lost (this build brings none)")
+                   help="replace an existing --db even though its questions are lost (this build brings none), or "
+                        "though another program wrote it")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=build_db)
 
@@ -586,6 +598,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--replace", action="store_true", help="delete every stored question and cached reply first")
     p.add_argument("--temperature", type=float, default=0.5, help="sampling temperature (default 0.5, as ART·E)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight (default 4)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a request may take before it is tried again (default 120; 3 tries)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=generate_questions)
 
@@ -656,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except DataError as exc:
         print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    except sqlite3.DatabaseError as exc:  # damaged after it was opened (a disk error, a half-copied file)
+        print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         resume = {"train": "; re-run the same command to resume from the last checkpoint",

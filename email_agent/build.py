@@ -82,8 +82,9 @@ def open_sources(*, demo: bool = False, emails: str | None = None, questions: st
 def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brings_questions: bool,
                  overwrite: bool = False) -> None:
     """Refuse a build that would destroy what it cannot give back (DataError): a source file of its own, a file
-    that is not a database, or the questions of the database it replaces when it brings none (generate-questions'
-    cost money) unless `overwrite`. A corrupt database of this tool may be replaced: that is how it is repaired."""
+    that is not a database, unless `overwrite` another program's database, or the questions of the database it
+    replaces when it brings none (generate-questions' cost money). A corrupt database may be replaced: that is how
+    it is repaired."""
     db_path = Path(db_path)
     if db_path.is_dir():
         raise DataError(f"--db {db_path} is a folder; give a file path, such as {db_path / 'emails.db'}")
@@ -97,14 +98,18 @@ def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brin
     if header and header != b"SQLite format 3\x00":
         raise DataError(f"--db {db_path} exists and is not a database; not replacing it: choose another --db, or "
                         "delete that file first")
-    if brings_questions or overwrite:
+    if overwrite:
         return
     try:
         with contextlib.closing(sqlite3.connect(f"file:{quote(str(db_path.resolve()))}?mode=ro", uri=True)) as conn:
-            held = conn.execute("SELECT count(*) FROM questions").fetchone()[0]
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            held = conn.execute("SELECT count(*) FROM questions").fetchone()[0] if "questions" in tables else 0
     except sqlite3.DatabaseError:
-        return  # not one of ours after all, or corrupt: nothing to keep
-    if held:
+        return  # corrupt: nothing to keep
+    if tables and not {"emails", "meta"} <= tables:
+        raise DataError(f"--db {db_path} is another program's SQLite database (tables: {', '.join(sorted(tables)[:5])}); "
+                        f"not replacing it: choose another --db, or pass --overwrite to replace it anyway")
+    if held and not brings_questions:
         raise DataError(f"{db_path} holds {held:,} questions, and this build has no --questions: replacing it would "
                         f"drop them (rebuilding adds no questions back; generate-questions' cost money). Build into "
                         f"another --db, or pass --overwrite to replace it anyway")
@@ -121,14 +126,19 @@ def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: s
     """
 
     db_path = Path(db_path)
-    db_path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in db_path.parent.glob(db_path.name + ".tmp-*"):  # left by a build that was SIGKILLed
-        stale.unlink(missing_ok=True)
-    tmp_path = db_path.with_name(f"{db_path.name}.tmp-{os.getpid()}")
+    try:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in db_path.parent.glob(db_path.name + ".tmp-*"):  # left by a build that was SIGKILLed
+            if not _process_alive(stale.name.rpartition("-")[2]):  # not another build of the same --db, running
+                stale.unlink(missing_ok=True)
+        tmp_path = db_path.with_name(f"{db_path.name}.tmp-{os.getpid()}")
+        conn = sqlite3.connect(tmp_path)
+    except (OSError, sqlite3.OperationalError) as exc:
+        raise DataError(f"cannot write the database at {db_path} ({exc}): choose a --db in a folder you can write") \
+            from None
     summary = BuildSummary(db_path=str(db_path))
     started = time.perf_counter()
     try:
-        conn = sqlite3.connect(tmp_path)
         try:
             _fill(conn, emails, questions, summary, source, total, progress)
         finally:
@@ -139,6 +149,16 @@ def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: s
     summary.seconds = time.perf_counter() - started
     summary.db_bytes = db_path.stat().st_size
     return summary
+
+
+def _process_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _fill(conn, emails, questions, summary, source, total, progress):
@@ -157,14 +177,14 @@ def _fill(conn, emails, questions, summary, source, total, progress):
     bar = tqdm(emails, total=total, unit=" emails", desc="loading", disable=not progress, mininterval=0.5)
     for n, raw in enumerate(bar, 1):
         try:
-            if "_error" in raw:
+            if isinstance(raw, dict) and "_error" in raw:
                 raise SkipRecord(raw["_error"])
             row = normalize_email(raw)
         except SkipRecord as exc:
             reason = str(exc).split(" '")[0]  # group "unparseable date 'x'" and "unparseable date 'y'"
             summary.skipped[reason] = summary.skipped.get(reason, 0) + 1
             if len(summary.skip_examples) < SKIP_EXAMPLES:
-                where = raw.get("message_id") or raw.get("file_name") or f"record {n}"
+                where = (isinstance(raw, dict) and (raw.get("message_id") or raw.get("file_name"))) or f"record {n}"
                 summary.skip_examples.append(f"{where}: {exc}")
             continue
         if row["message_id"] in seen:
@@ -202,9 +222,13 @@ def _fill(conn, emails, questions, summary, source, total, progress):
         conn.executescript(sql) if ";" in sql else conn.execute(sql)
 
     split_counts: dict[str, int] = {}
+    question_ids: set = set()
     for n, raw in enumerate(questions, 1):
         try:
             q = normalize_question(raw)
+            if q.id in question_ids:  # the first of two questions with one id is kept, as it was read
+                raise ValueError(f"id {q.id!r} given twice")
+            question_ids.add(q.id)
         except ValueError as exc:
             summary.questions_skipped += 1
             if len(summary.question_skip_examples) < SKIP_EXAMPLES:
@@ -215,7 +239,7 @@ def _fill(conn, emails, questions, summary, source, total, progress):
         gold_in_db = all(m in seen for m in q.message_ids)
         summary.questions_missing_gold += not gold_in_db
         split_counts[q.split] = split_counts.get(q.split, 0) + 1
-        conn.execute("INSERT OR REPLACE INTO questions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        conn.execute("INSERT INTO questions VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                      (q.id, q.question, q.answer, json.dumps(q.message_ids), q.how_realistic,
                       q.inbox_address, q.query_date, q.split, int(gold_in_db), None, None))
     summary.questions = split_counts

@@ -17,12 +17,13 @@ import email.utils
 import functools
 import gzip
 import json
+import math
 import mailbox as mboxlib
 import os
 import sqlite3
 import unicodedata
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import quote
@@ -100,9 +101,18 @@ class SkipRecord(Exception):
 # ----------------------------------------------------------------------------------------------
 
 def parse_date(value) -> str:
-    """Any date we meet (ISO string, 'YYYY-MM-DD HH:MM:SS', RFC 2822 header, datetime) -> UTC 'YYYY-MM-DD HH:MM:SS'."""
+    """Any date we meet (ISO string, 'YYYY-MM-DD HH:MM:SS', RFC 2822 header, datetime or date, Unix time) -> UTC
+    'YYYY-MM-DD HH:MM:SS'."""
     if isinstance(value, datetime):
         dt = value
+    elif isinstance(value, date):  # a Parquet date32 column
+        dt = datetime(value.year, value.month, value.day)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        seconds = value / 1000 if abs(value) >= 1e11 else value  # Unix time in seconds, or in milliseconds
+        try:
+            dt = datetime.fromtimestamp(seconds, timezone.utc)
+        except (OverflowError, OSError, ValueError) as exc:
+            raise SkipRecord(f"unparseable date {value!r}") from exc
     elif isinstance(value, str) and value.strip():
         text = value.strip()
         try:
@@ -119,9 +129,11 @@ def parse_date(value) -> str:
     return dt.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _addresses(value) -> list[str]:
+def _addresses(value, field: str) -> list[str]:
     if value is None:
         return []
+    if not isinstance(value, (str, list, tuple)):
+        raise SkipRecord(f"{field} is neither an address nor a list of them")
     if isinstance(value, str):
         if "<" not in value and "," not in value and '"' not in value and " " not in value.strip():
             value = [value]  # a bare address: the full header parser is the slowest step of a build
@@ -130,23 +142,38 @@ def _addresses(value) -> list[str]:
     return [str(a).strip().lower() for a in value if a and str(a).strip()]
 
 
+def _text(raw: dict, field: str) -> str:
+    value = raw.get(field) or ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise SkipRecord(f"{field} is not text")
+    if not value.isascii():  # O(1) in CPython: only non-ASCII text pays for the check
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a JSON \ud800 escape: SQLite stores UTF-8 only
+            value = value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
 def normalize_email(raw: dict) -> dict:
     """One record from any source (our JSONL schema or the HF column names) -> the row we store."""
-    message_id = (raw.get("message_id") or "").strip()
+    if not isinstance(raw, dict):
+        raise SkipRecord("not a JSON object")
+    message_id = _text(raw, "message_id").strip()
     if not message_id:
         raise SkipRecord("missing message_id")
-    sender = raw.get("from_address", raw.get("from"))
-    senders = _addresses(sender)
+    senders = _addresses(raw.get("from_address", raw.get("from")), "from_address")
     return {
         "message_id": message_id,
         "date": parse_date(raw.get("date")),
-        "subject": raw.get("subject") or "",
+        "subject": _text(raw, "subject"),
         "from_address": senders[0] if senders else "",
-        "to": _addresses(raw.get("to_addresses", raw.get("to"))),
-        "cc": _addresses(raw.get("cc_addresses", raw.get("cc"))),
-        "bcc": _addresses(raw.get("bcc_addresses", raw.get("bcc"))),
-        "body": raw.get("body") or "",
-        "file_name": raw.get("file_name") or "",
+        "to": _addresses(raw.get("to_addresses", raw.get("to")), "to_addresses"),
+        "cc": _addresses(raw.get("cc_addresses", raw.get("cc")), "cc_addresses"),
+        "bcc": _addresses(raw.get("bcc_addresses", raw.get("bcc")), "bcc_addresses"),
+        "body": _text(raw, "body"),
+        "file_name": _text(raw, "file_name"),
     }
 
 
@@ -194,7 +221,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
         with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
             for line_no, raw in enumerate(f, 1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a byte-order mark is not JSON
                 except UnicodeDecodeError as exc:  # a binary file or another encoding: not worth reading on
                     raise DataError(f"{path}: line {line_no} is not UTF-8 ({exc.reason} at byte {exc.start}); "
                                     "JSON Lines are UTF-8 text") from None
@@ -373,14 +400,24 @@ def fts_query(keywords: Iterable[str]) -> str | None:
     return " AND ".join(phrases) or None
 
 
+def _day(day: str) -> datetime:
+    try:
+        return datetime.fromisoformat(str(day).strip()[:10])
+    except ValueError:
+        raise ValueError(f"not a date: {day!r}") from None
+
+
 def day_start(day: str) -> str:
     """'YYYY-MM-DD' (or a longer ISO timestamp) -> the stored form of that day's midnight; ValueError if not a date."""
-    return datetime.fromisoformat(str(day).strip()[:10]).strftime("%Y-%m-%d 00:00:00")
+    return _day(day).strftime("%Y-%m-%d 00:00:00")
 
 
 def day_after(day: str) -> str:
     """Exclusive upper bound that keeps everything dated on `day` (e.g. a question's query_date)."""
-    return (datetime.fromisoformat(str(day).strip()[:10]) + timedelta(days=1)).strftime("%Y-%m-%d 00:00:00")
+    start = _day(day)
+    if start.date() == datetime.max.date():
+        return "9999-12-31 24:00:00"  # no next day to name; compared as text, this follows every time that day
+    return (start + timedelta(days=1)).strftime("%Y-%m-%d 00:00:00")
 
 
 def visible_until(as_of: str | None) -> str | None:
@@ -393,6 +430,14 @@ def visible_until(as_of: str | None) -> str | None:
         raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
 
 
+# What this module reads: a database without these (another program's, or a build older than the mailbox table)
+# is refused when opened, not midway through a search.
+READ_COLUMNS = [("id, message_id, date, subject, from_address, body, file_name", "emails"),
+                ("email_id, address, kind", "recipients"), ("address, email_id", "mailbox"),
+                ("subject, body, members", "emails_fts"), ("id, question, answer, message_ids", "questions"),
+                ("key, value", "meta")]
+
+
 class EmailDB:
     """Read-only handle on a built database. Opened with mode=ro: nothing a caller sends can change it."""
 
@@ -403,10 +448,12 @@ class EmailDB:
         self.path = path
         self.conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, check_same_thread=False)
         try:
-            self.conn.execute("SELECT 1 FROM emails, questions, meta LIMIT 1").fetchall()
+            for columns, table in READ_COLUMNS:  # prepared, not run: a missing table or column fails here
+                self.conn.execute(f"SELECT {columns} FROM {table} LIMIT 0").fetchall()
         except sqlite3.DatabaseError as exc:
             self.conn.close()
-            raise DataError(f"{path} is not an email database built by this tool ({exc}); rebuild it with build-db.") from exc
+            raise DataError(f"{path} cannot be read as an email database of this tool ({exc}): it is another "
+                            f"program's, from an older version, or damaged; rebuild it with build-db.") from exc
 
     def close(self) -> None:
         self.conn.close()

@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import random
 import re
 import sqlite3
@@ -419,6 +420,8 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         raise DataError("--batch-size and --concurrency must be at least 1, and --max-questions at least 0")
     if not 0 <= cfg.min_realistic <= 1:
         raise DataError(f"--min-realistic must be in [0, 1], not {cfg.min_realistic}")
+    if not 0 < cfg.timeout < math.inf:
+        raise DataError(f"--timeout must be above 0 seconds, not {cfg.timeout}")
     conn = open_for_writing(db_path)
     try:
         summary = GenerateSummary(inboxes=pick_inboxes(conn, cfg.inboxes))

@@ -83,6 +83,8 @@ def normalize_question(raw: dict) -> Question:
 def read_questions(path: str | Path) -> Iterator[dict]:
     """A local question file (.jsonl(.gz) or .parquet) with the Hugging Face schema (+ optional `split`)."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"--questions {path} is a folder; give the questions file (.jsonl, .jsonl.gz or .parquet)")
     if not path.is_file():
         raise DataError(f"No such question file: {path}")
     if path.name.lower().endswith(".parquet"):

@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import datetime
 import email
 
 import pytest
@@ -135,7 +136,7 @@ def test_missing_or_foreign_database(tmp_path):
     with pytest.raises(data.DataError, match="build-db"):
         EmailDB(tmp_path / "nope.db")
     (tmp_path / "junk.db").write_text("not sqlite")
-    with pytest.raises(data.DataError, match="not an email database"):
+    with pytest.raises(data.DataError, match="cannot be read as an email database of this tool"):
         EmailDB(tmp_path / "junk.db")
 
 
@@ -247,6 +248,66 @@ def test_a_folder_of_json_lines_parquet_and_mail_files(tmp_path):
                                      b"From: a@x.com\nTo: b@x.com\nSubject: Hi\n\nHello.\n")
     ids = sorted(normalize_email(r)["message_id"] for r in data.read_emails(folder))
     assert ids == ["<eml1@x>", "<m1@x>", "<m2@x>", "<m3@x>"]
+
+
+def test_records_of_the_wrong_shape_are_skipped_and_counted_not_fatal(tmp_path):
+    lines = ["\ufeff" + json.dumps(record(1)), "[1, 2]", "42", "null", json.dumps(record(2, message_id=7)),
+             json.dumps(record(3, to_addresses=5)), json.dumps(record(4, subject=["x"])), json.dumps(record(5, body={"a": 1})),
+             json.dumps(record(6, body="lone \ud800 surrogate")), json.dumps(record(8, date=988000000)),
+             json.dumps(record(9, date=988000000000))]
+    (tmp_path / "e.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    qs = [question(i, id=qid, message_ids=[f"<m{i}@x>"]) for i, qid in ((1, "a"), (9, "a"), (8, "b"))]
+    summary = build_database(data.read_emails(tmp_path / "e.jsonl"), qs, tmp_path / "a.db", source="t", progress=False)
+    assert summary.emails == 5  # the BOM line, the numeric id, the surrogate, both Unix times
+    assert summary.skipped == {"not a JSON object": 3, "to_addresses is neither an address nor a list of them": 1,
+                               "subject is not text": 1, "body is not text": 1}
+    db = EmailDB(tmp_path / "a.db")
+    assert db.read("7") is not None and db.read("<m6@x>").body == "lone ? surrogate"
+    assert db.read("<m8@x>").date == "2001-04-23 04:26:40" == db.read("<m9@x>").date
+    assert summary.questions == {"train": 2} and summary.questions_skipped == 1  # the second id "a" is skipped
+    assert db.conn.execute("SELECT message_ids FROM questions WHERE id = 'a'").fetchone()[0] == '["<m1@x>"]'
+    assert normalize_email(record(1, date=datetime.date(2001, 5, 2)))["date"] == "2001-05-02 00:00:00"  # Parquet date32
+
+
+def test_a_build_refuses_another_programs_database_and_a_folder_it_cannot_write(tmp_path):
+    from email_agent.build import check_target
+
+    other = tmp_path / "contacts.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE contacts (name)")
+    with pytest.raises(data.DataError, match="another program's SQLite database \\(tables: contacts\\)"):
+        check_target(other, [], brings_questions=True)
+    check_target(other, [], brings_questions=True, overwrite=True)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(data.DataError, match="cannot write the database at"):
+        build_database([record(1)], [], tmp_path / "afile" / "x.db", source="t", progress=False)
+
+
+def test_a_build_leaves_the_temporary_file_of_a_running_build_alone(tmp_path):
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    finished = subprocess.run([sys.executable, "-c", "pass"])  # noqa: F841  (its pid is no longer running)
+    try:
+        live, dead = tmp_path / f"a.db.tmp-{running.pid}", tmp_path / "a.db.tmp-999999999"
+        live.write_text("another build"), dead.write_text("a killed build")
+        build_database([record(1)], [], tmp_path / "a.db", source="t", progress=False)
+        assert live.exists() and not dead.exists()
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_databases_that_lack_what_search_reads_are_refused_when_opened(tmp_path):
+    build_database([record(1)], [], tmp_path / "a.db", source="t", progress=False)
+    with sqlite3.connect(tmp_path / "a.db") as conn:
+        conn.execute("DROP TABLE mailbox")
+    with pytest.raises(data.DataError, match="no such table: mailbox"):
+        EmailDB(tmp_path / "a.db")
+
+
+def test_dates_at_the_end_of_the_calendar_and_malformed_ones():
+    assert data.visible_until("9999-12-31") > "9999-12-31 23:59:59"
+    with pytest.raises(ValueError, match="not a date: '99999-01-01'"):
+        data.day_start("99999-01-01")
 
 
 def test_a_file_or_folder_without_mail_says_so(tmp_path):

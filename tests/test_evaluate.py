@@ -239,12 +239,22 @@ def test_probe_refused_key_and_unknown_model(demo_db_path, tmp_path, capsys, ser
     (["--concurrency", "0"], "--concurrency must be at least 1, not 0"),
     (["--model", "base", "--model", "base"], "--model base is given twice"),
     (["--split", "tests"], "--split 'tests': "),
+    (["--timeout", "nan"], "--timeout is seconds per model request, more than 0; not nan"),
+    (["--timeout", "0"], "--timeout is seconds per model request, more than 0; not 0.0"),
 ])
 def test_numbers_that_would_slice_or_hang_are_refused(demo_db_path, tmp_path, capsys, flags, message):
     models = [] if "--model" in flags else ["--model", "base"]
     assert run_cli("--db", demo_db_path, *models, *flags, "--output", tmp_path / "out") == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_an_output_that_cannot_be_a_folder_is_refused_before_any_model_runs(demo_db_path, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for output in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert run_cli("--db", demo_db_path, "--model", "nonsense-is-never-opened", "--output", output) == 1
+        err = capsys.readouterr().err
+        assert f"--output {output}: {tmp_path / 'afile'} is a file; give a folder" in err and "Traceback" not in err
 
 
 def test_failed_rollouts_count_as_wrong_and_a_model_that_always_fails_exits_nonzero(demo_db_path, demo_questions,

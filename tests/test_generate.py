@@ -263,7 +263,8 @@ def test_cli_errors_are_one_sentence_and_the_key_is_never_shown(db_path, tmp_pat
 
 
 @pytest.mark.parametrize("bad", [dict(test_fraction=1.0), dict(test_fraction=-0.1), dict(batch_size=0),
-                                 dict(concurrency=0), dict(max_questions=-1), dict(min_realistic=1.5)])
+                                 dict(concurrency=0), dict(max_questions=-1), dict(min_realistic=1.5),
+                                 dict(timeout=0.0), dict(timeout=float("nan"))])
 def test_bad_settings_are_one_sentence_errors_before_any_request(db_path, bad):
     with pytest.raises(DataError, match="^--[a-z-]+ (must|and)"):
         generate.generate_questions(db_path, config("http://127.0.0.1:9/v1", **bad), progress=False)

@@ -494,6 +494,21 @@ def test_counts_below_one_are_clear_errors(demo_db_path, tmp_path, capsys, flag)
     assert code == 1 and f"{flag} must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--hallucination-penalty", "nan"], "--hallucination-penalty must be at least 1, not nan"),
+    (["--max-body-chars", "-5"], "--max-body-chars must be at least 1, not -5"),
+    (["--search-results", "0"], "--search-results must be at least 1, not 0"),
+    (["--learning-rate", "-1"], "--learning-rate must be above 0, not -1.0"),
+    (["--sft-learning-rate", "inf"], "--sft-learning-rate must be above 0, not inf"),
+    (["--temperature", "-1"], "--temperature must be at least 0, not -1.0"),
+    (["--advantage-balance", "2"], "--advantage-balance must be between -1 and 1, not 2.0"),
+    (["--min-realistic", "5"], "--min-realistic must be between 0 and 1, not 5.0"),
+])
+def test_values_out_of_range_are_clear_errors(demo_db_path, tmp_path, capsys, flags, message):
+    assert cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), *flags]) == 1
+    assert message in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("command", ["build-db", "generate-questions", "search", "read", "ask", "train"])
 def test_every_command_prints_its_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
