@@ -54,7 +54,8 @@ class BuildSummary:
             f"dates       {self.first_date} .. {self.last_date} (UTC)",
             f"duplicates  {self.duplicates:,} dropped (same message_id)",
             f"skipped     {skipped:,} malformed ({why})",
-            f"questions   {q}; {self.questions_missing_gold:,} cite an email not in the database "
+            f"questions   {q}; {self.questions_missing_gold:,} cite an email not in the database or not in "
+            f"their inbox "
             f"(kept, excluded from training); {self.questions_skipped:,} malformed skipped",
             *(f"  skipped email     {example}" for example in self.skip_examples),
             *(f"  skipped question  {example}" for example in self.question_skip_examples),
@@ -236,7 +237,11 @@ def _fill(conn, emails, questions, summary, source, total, progress):
                 where = f"record {n}" + (f" (id {qid!r})" if qid is not None else "")
                 summary.question_skip_examples.append(f"{where}: {exc}")
             continue
-        gold_in_db = all(m in seen for m in q.message_ids)
+        # Answerable only if the agent can reach every gold email: it is stored and in the asked inbox.
+        gold_in_db = all(m in seen for m in q.message_ids) and conn.execute(
+            "SELECT COUNT(*) FROM emails JOIN mailbox ON mailbox.email_id = emails.id WHERE mailbox.address = ? "
+            f"AND emails.message_id IN ({','.join('?' * len(q.message_ids))})",
+            (q.inbox_address, *q.message_ids)).fetchone()[0] == len(set(q.message_ids))
         summary.questions_missing_gold += not gold_in_db
         split_counts[q.split] = split_counts.get(q.split, 0) + 1
         conn.execute("INSERT INTO questions VALUES (?,?,?,?,?,?,?,?,?,?,?)",

@@ -71,7 +71,7 @@ CREATE TABLE questions (
     inbox_address TEXT NOT NULL,           -- lower-case
     query_date    TEXT NOT NULL,           -- 'YYYY-MM-DD'
     split         TEXT NOT NULL,
-    gold_in_db    INTEGER NOT NULL,        -- 1 when every message_id is in emails
+    gold_in_db    INTEGER NOT NULL,        -- 1 when every message_id is in emails and in inbox_address's mailbox
     model         TEXT,                    -- the LLM that wrote it (generate-questions); NULL if imported
     temperature   REAL                     -- its sampling temperature
 );

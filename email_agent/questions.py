@@ -106,7 +106,8 @@ def select_questions(db: EmailDB, split: str, *, single_source: bool = False, mi
                      require_gold: bool = True, seed: int | None = None, limit: int | None = None) -> list[Question]:
     """Questions of one split, filtered, optionally shuffled with `seed`, then cut to `limit`.
 
-    require_gold drops questions whose cited emails are not in the database: nobody can answer them.
+    require_gold drops questions whose cited emails are not in the database or not in the asked inbox: nobody
+    can answer them.
     Without a seed the order is by id, so `limit` always takes the same questions.
     """
     sql = "SELECT id, question, answer, message_ids, how_realistic, inbox_address, query_date, split " \

@@ -269,6 +269,15 @@ def test_records_of_the_wrong_shape_are_skipped_and_counted_not_fatal(tmp_path):
     assert normalize_email(record(1, date=datetime.date(2001, 5, 2)))["date"] == "2001-05-02 00:00:00"  # Parquet date32
 
 
+def test_a_question_whose_inbox_does_not_hold_its_email_is_not_answerable(tmp_path):
+    emails = [record(1), record(2, from_address="dave@x.com", to_addresses=["erin@x.com"], cc_addresses=[])]
+    qs = [question(1), question(2), question(3, message_ids=["<m1@x>", "<m1@x>"])]  # bob@x.com's inbox
+    summary = build_database(emails, qs, tmp_path / "a.db", source="t", progress=False)
+    assert summary.questions_missing_gold == 1  # <m2@x> is between dave and erin only
+    answerable = EmailDB(tmp_path / "a.db").conn.execute("SELECT id FROM questions WHERE gold_in_db ORDER BY id")
+    assert [qid for (qid,) in answerable] == [1, 3]
+
+
 def test_a_build_refuses_another_programs_database_and_a_folder_it_cannot_write(tmp_path):
     from email_agent.build import check_target
 
