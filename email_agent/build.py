@@ -108,7 +108,8 @@ def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brin
     except sqlite3.DatabaseError:
         return  # corrupt: nothing to keep
     if tables and not {"emails", "meta"} <= tables:
-        raise DataError(f"--db {db_path} is another program's SQLite database (tables: {', '.join(sorted(tables)[:5])}); "
+        names = ", ".join(sorted(tables)[:5])
+        raise DataError(f"--db {db_path} is another program's SQLite database (tables: {names}); "
                         f"not replacing it: choose another --db, or pass --overwrite to replace it anyway")
     if held and not brings_questions:
         raise DataError(f"{db_path} holds {held:,} questions, and this build has no --questions: replacing it would "
