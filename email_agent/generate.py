@@ -428,6 +428,7 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         batches = make_batches(conn, summary.inboxes, cfg.batch_size, cfg.seed)
         if not batches:
             raise DataError(f"No emails with a body in the inbox of {', '.join(summary.inboxes)}.")
+        check_key(cfg)
         stored = [] if cfg.replace else stored_questions(conn)
         cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
         accepted = asyncio.run(_run(batches, conn, cfg, cache, stored, summary, progress))
@@ -444,6 +445,18 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         return summary
     finally:
         conn.close()
+
+
+def check_key(cfg: GenerateConfig) -> None:
+    """A provider key missing from the environment is one error up front, not three failed tries per batch."""
+    if cfg.api_key or cfg.base_url:
+        return
+    import litellm
+
+    missing = litellm.validate_environment(cfg.model).get("missing_keys")
+    if missing:
+        raise DataError(f"{cfg.model} needs {' or '.join(missing)} in the environment (or QUESTIONS_API_KEY); "
+                        "nothing was asked")
 
 
 def no_usable_reply(cfg: GenerateConfig, summary: GenerateSummary) -> str:

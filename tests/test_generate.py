@@ -271,6 +271,14 @@ def test_bad_settings_are_one_sentence_errors_before_any_request(db_path, bad):
     assert stored(db_path) == [] and not generate.cache_path(db_path).exists()
 
 
+def test_a_provider_key_missing_from_the_environment_stops_before_any_request(db_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    cfg = generate.GenerateConfig(model="openai/gpt-4.1", inboxes=[])
+    with pytest.raises(DataError, match="^openai/gpt-4.1 needs OPENAI_API_KEY in the environment"):
+        generate.generate_questions(db_path, cfg, progress=False)
+    assert stored(db_path) == []
+
+
 def test_databases_built_before_the_model_columns_still_work(db_path):
     conn = sqlite3.connect(db_path)
     conn.executescript("DROP TABLE questions; CREATE TABLE questions (id INTEGER PRIMARY KEY, question TEXT NOT NULL, "
