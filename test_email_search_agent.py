@@ -49,12 +49,7 @@ async def evaluate(args) -> int:
         results = Path(args.rejudge) / "results.jsonl"
         if not results.is_file():
             raise DataError(f"--rejudge {args.rejudge}: no results.jsonl there (an output folder of this command).")
-        stored, torn = [], 0
-        for line in filter(str.strip, results.read_text().splitlines()):
-            try:
-                stored.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut off by a killed evaluation or a full disk
-                torn += 1
+        stored, torn = report.read_results(results)
         if torn:
             print(f"note: {torn} unreadable line(s) in {results} skipped", file=sys.stderr)
         if not stored:
@@ -92,6 +87,10 @@ async def evaluate(args) -> int:
         # hours of the other models' rollouts.
         shared = evaluation.shared_run_shape(args.model, args.art_dir)
         contestants = [await evaluation.open_contestant(spec, options, stack, shared) for spec in args.model]
+        labels = [c.label for c in contestants]
+        if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step
+            twice = next(label for label in labels if labels.count(label) > 1)
+            raise DataError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
         for contestant in contestants:
             await evaluation.probe(contestant)
         histories = {c.label: report.load_history(c.history, c.step) for c in contestants
@@ -219,6 +218,8 @@ def make_parser() -> argparse.ArgumentParser:
 def check_output(out: Path) -> None:
     """Before any model is served: an --output that cannot become a folder is a one-line error."""
     existing = next(p for p in (out, *out.parents) if p.exists())
+    if (out / "run_config.json").exists() or (out / "checkpoints").is_dir():
+        raise DataError(f"--output {out} is a training run's folder; give a folder of its own, such as eval/NAME")
     if not existing.is_dir():
         raise DataError(f"--output {out}: {existing} is a file; give a folder")
     if not os.access(existing, os.W_OK | os.X_OK):

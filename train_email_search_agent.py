@@ -20,6 +20,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import os
 import shutil
 import signal
 import sqlite3
@@ -245,12 +246,14 @@ def wandb_installed() -> bool:
 def prepare_run(cfg: TrainConfig, backend: str) -> None:
     """Resume a run of the same name, or start it; --fresh deletes it first. Saves the resolved config
     (a preflight only checks that it could resume)."""
+    from email_agent.evaluation import Run
+
     directory = run_dir(cfg)
     config_path = directory / "run_config.json"
     if cfg.fresh and directory.exists():
         shutil.rmtree(directory)
     if config_path.exists():
-        previous = json.loads(config_path.read_text())
+        previous = Run.load(directory).config
         for key in ("base_model", "lora_rank", "lora_alpha"):
             if previous.get(key) != getattr(cfg, key):
                 raise DataError(f"run {cfg.name!r} was trained with {key}={previous.get(key)!r}, not "
@@ -258,11 +261,69 @@ def prepare_run(cfg: TrainConfig, backend: str) -> None:
         print(f"resuming run {cfg.name!r} from {directory}", file=sys.stderr)
     if cfg.preflight:
         return  # a preflight changes nothing a later run or evaluation reads
+    drop_torn_history_line(directory / "history.jsonl")
     directory.mkdir(parents=True, exist_ok=True)
     # The backend and episode shape are read back by evaluation and `ask`: a run is served where it was trained
     # and plays the episodes it learned on.
     config_path.write_text(json.dumps({**asdict(cfg), "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))},
                                       indent=2) + "\n")
+
+
+def lock_run(cfg: TrainConfig):
+    """An exclusive lock on the run's name (a file in --art-dir: --fresh deletes the run's folder), held until the
+    returned file is closed; a DataError if another process holds it: two processes training one run would
+    write the same checkpoints and prune each other's."""
+    import fcntl
+
+    path = Path(cfg.art_dir) / f".{cfg.project}.{cfg.name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise DataError(f"run {cfg.name!r} is being trained by {holder}; wait for it, stop it, or use another --name")
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"process {os.getpid()}")
+    lock.flush()
+    return lock
+
+
+async def check_run_state(cfg: TrainConfig, model) -> dict:
+    """The run's saved progress, checked against its checkpoints: a damaged state file is an error, and one that
+    says the warm start ended after the latest checkpoint (checkpoints deleted) lets the warm start resume."""
+    path = run_dir(cfg) / "state.json"
+    try:
+        state = model.read_state() or {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        state = exc
+    if not isinstance(state, dict):
+        raise DataError(f"{path} is damaged ({state if isinstance(state, Exception) else 'not an object'}); start "
+                        f"run {cfg.name!r} over with --fresh, or train under another --name")
+    step = await model.get_step()
+    history = run_dir(cfg) / "history.jsonl"
+    warm_started = history.is_file() and '"sft_epoch"' in history.read_text(errors="replace")
+    if step and warm_started and not state:
+        raise DataError(f"run {cfg.name!r} has checkpoints up to step {step} but no {path.name}, so where its warm "
+                        f"start ended is unknown; restore that file, or start over with --fresh")
+    if state.get("sft_done") and step < state.get("sft_steps", 0):
+        print(f"note: run {cfg.name!r}'s checkpoints end at step {step}, before its warm start ended (step "
+              f"{state['sft_steps']}): the warm start resumes from step {step}", file=sys.stderr)
+        state = model.merge_state({"sft_done": False, "sft_start_step": min(state.get("sft_start_step", 0), step)})
+    return state
+
+
+def drop_torn_history_line(history: Path) -> None:
+    """Cut a last line that a killed run left half-written: ART appends the next step's line to it otherwise."""
+    if not history.is_file() or history.stat().st_size == 0:
+        return
+    text = history.read_bytes()
+    if not text.endswith(b"\n"):
+        history.write_bytes(text[:text.rfind(b"\n") + 1])
+        print(f"note: dropped a half-written last line of {history}", file=sys.stderr)
 
 
 async def validate(model, policy, questions, db, rollout_config, step: int) -> dict:
@@ -340,6 +401,8 @@ async def train(cfg: TrainConfig) -> None:
 
     backend_name = backends.resolve_backend(cfg.backend)
     cfg.base_model = cfg.base_model or backends.default_base_model(backend_name)
+    if cfg.base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
+        cfg.base_model = backends.CPU_BASE_MODEL
     if cfg.demo and not Path(cfg.db).exists():
         build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True, overwrite=False))
     db = EmailDB(cfg.db)
@@ -370,6 +433,7 @@ async def train(cfg: TrainConfig) -> None:
         raise DataError("--wandb logs through the wandb package, which is not installed here: "
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     backend = backends.make_backend(backend_name, cfg)  # fails here, before anything is saved, if it cannot run
+    new_run = not run_dir(cfg).exists()
     prepare_run(cfg, backend_name)
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
         from email_agent.tracing import traced_rollout
@@ -387,7 +451,7 @@ async def train(cfg: TrainConfig) -> None:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   max_concurrency=cfg.concurrency)
-        state = model.read_state() or {}
+        state = await check_run_state(cfg, model)
         after_each = None
         if reward_mode == "ruler":
             params = judge.litellm_params() if judge else None  # the judge's endpoint and key (JUDGE_API_*)
@@ -467,6 +531,8 @@ async def train(cfg: TrainConfig) -> None:
               f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
     finally:
         await backend.close()
+        if cfg.preflight and new_run:  # registering wrote a first checkpoint; a preflight leaves no run behind
+            shutil.rmtree(run_dir(cfg), ignore_errors=True)
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -525,9 +591,11 @@ def train_command(args) -> None:
     if cfg.sft_from not in ("", "demo-expert") and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
         raise DataError(f"--sft-from {cfg.sft_from}: expected 'demo-expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")
-    if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
-        raise DataError(f"--name {cfg.name!r}: a run needs a name that is a plain folder name")
+    for flag, value in (("--name", cfg.name), ("--project", cfg.project)):
+        if not value or "/" in value or value in (".", ".."):
+            raise DataError(f"{flag} {value!r}: a run needs a {flag[2:]} that is a plain folder name")
     print(json.dumps(asdict(cfg)), file=sys.stderr)
+    lock = lock_run(cfg)
     # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
     loop = asyncio.new_event_loop()
     task = loop.create_task(train(cfg))
@@ -550,6 +618,7 @@ def train_command(args) -> None:
         raise KeyboardInterrupt from None
     finally:
         loop.close()
+        lock.close()
 
 
 # ---- command line --------------------------------------------------------------------------------

@@ -44,9 +44,12 @@ class Run:
     def load(cls, path: Path) -> "Run":
         config_path = path / "run_config.json"
         try:
-            config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{config_path} is not valid JSON ({exc}).") from None
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            config = exc
+        if not isinstance(config, dict):
+            raise DataError(f"{config_path} is damaged ({config if isinstance(config, Exception) else 'not an object'}):"
+                            f" it records how the run was trained; restore it, or train the run again with --fresh.")
         return cls(path, config)
 
     @property
@@ -86,7 +89,7 @@ class Run:
             raise DataError(f"{self.path} has no checkpoints yet.")
         if step in ("", "latest"):
             chosen = steps[-1]
-        elif not step.isdigit() or int(step) not in steps:
+        elif not is_step(step) or int(step) not in steps:
             raise DataError(f"{self.path} has no checkpoint {step!r}; it has {', '.join(map(str, steps))} "
                             f"(or use @latest).")
         else:
@@ -96,6 +99,10 @@ class Run:
     def last_active(self) -> float:
         candidates = [self.path / "run_config.json", self.path / "history.jsonl", self.path / "checkpoints"]
         return max((p.stat().st_mtime for p in candidates if p.exists()), default=0.0)
+
+
+def is_step(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # str.isdigit alone accepts '²', which int() refuses
 
 
 def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
@@ -111,7 +118,12 @@ def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
 
 def list_runs(art_dir: str = ART_DIR) -> list[Run]:
     """Every run under art_dir, the most recently active first."""
-    runs = [Run.load(p.parent) for p in Path(art_dir).glob("*/models/*/run_config.json")]
+    runs = []
+    for path in Path(art_dir).glob("*/models/*/run_config.json"):
+        try:
+            runs.append(Run.load(path.parent))
+        except DataError as exc:  # one damaged run does not hide the others
+            log.warning("skipping a run: %s", exc)
     return sorted(runs, key=Run.last_active, reverse=True)
 
 
@@ -199,6 +211,8 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
 
     shape = (default_shape or EpisodeShape()).override(**options.shape)
     if name == "base":
+        if step:
+            raise DataError(f"--model {spec}: 'base' is the untrained model; it has no steps")
         label = f"base:{Path(options.base_model).name}"
         client = await serve_on_cpu(options.base_model, None, label, options, stack)
         return Contestant(label, Policy(client, label, max_tokens=shape.max_tokens, **common), shape, "cpu")
@@ -246,7 +260,7 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, 
     from . import backends
 
     cfg = SimpleNamespace(**{**run.config, "art_dir": run.art_dir})
-    if step not in ("", "latest") and not step.isdigit():
+    if step not in ("", "latest") and not is_step(step):
         raise DataError(f"--model {run.name}@{step}: a step is a number or 'latest'.")
     try:
         backend = backends.make_backend(run.backend, cfg)
@@ -296,7 +310,7 @@ def cannot_serve(run: Run, step: str, reason: str) -> str:
     if not steps:
         return message + (f" Its checkpoints are not in {run.path / 'checkpoints'}; evaluate it where it was "
                           f"trained, or copy its folder there first.")
-    number = steps[-1] if step in ("", "latest") or not step.isdigit() else int(step)
+    number = steps[-1] if step in ("", "latest") or not is_step(step) else int(step)
     folder = run.path / "checkpoints" / f"{number:04d}"
     rank = run.config.get("lora_rank", 8)
     return message + (f" To evaluate it anyway, serve the checkpoint with vLLM on a GPU machine: `vllm serve "

@@ -189,6 +189,28 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+RESULT_KEYS = ("model", "question_id", "question", "gold_answer", "gold_message_ids", "inbox", "query_date",
+               "messages", "metrics", "reward")
+
+
+def read_results(path, keys: tuple[str, ...] = RESULT_KEYS) -> tuple[list[dict], int]:
+    """(records, unreadable lines) of an evaluation's results.jsonl: a line cut off by a killed evaluation or a
+    full disk, or a record without the `keys` its reader needs, is counted, not fatal."""
+    records, unreadable = [], 0
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and all(key in record for key in keys):
+            records.append(record)
+        else:
+            unreadable += 1
+    return records, unreadable
+
+
 def load_history(path, until_step: int | None = None) -> list[dict]:
     """Rows of an ART history.jsonl, up to `until_step` (the evaluated checkpoint) if given; blank, corrupt or
     non-object lines are skipped."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 from pathlib import Path
 
 import art
@@ -26,6 +25,7 @@ from openai.types.chat import ChatCompletion
 
 from .data import DataError, EmailDB
 from .questions import Question, withheld
+from .report import read_results
 from .rollout import RolloutConfig, rollout
 from .tools import TOOLS
 
@@ -158,15 +158,18 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig 
     if not path.is_file():
         raise DataError(f"--sft-from {folder}: no results.jsonl there (an output folder of test_email_search_agent.py)")
     test_ids = {row[0] for row in db.conn.execute("SELECT id FROM questions WHERE split = 'test'")}
+    records, unreadable = read_results(path, keys=("model", "question_id", "messages", "metrics", "reward"))
+    if unreadable:
+        logger.warning("--sft-from %s: %d unreadable line(s) in results.jsonl skipped", folder, unreadable)
+    if not records:
+        raise DataError(f"--sft-from {folder}: results.jsonl holds no episodes (is it an evaluation's results?)")
     trajs, shapes = [], set()
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
+    for record in records:
         episode = record.get("episode") or {}
         shapes.add(tuple(episode.get(key) for key in SHAPE_KEYS))
         m = record.get("metrics") or {}
-        if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct") and m.get("sources_correct")):
+        if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct")
+                                                                              and m.get("sources_correct")):
             continue
         messages = [strip_to_chat(message) for message in record["messages"]]
         trajs.append(art.Trajectory(messages_and_choices=messages, tools=TOOLS, reward=record["reward"],
@@ -200,7 +203,7 @@ def sft_source(source: str, db: EmailDB, questions: list[Question], config: Roll
     """`--sft-from` -> an awaitable of trajectories."""
     if source == "demo-expert":
         return expert_trajectories(db, questions, config)
-    if re.match(r"^[\w./~-]+$", source) and Path(source).expanduser().is_dir():
+    if Path(source).expanduser().is_dir():
         async def load():
             return teacher_trajectories(Path(source).expanduser(), db, config)
         return load()

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from conftest import ROOT, needs_enron
+from email_agent import evaluation
 from email_agent import questions as qmod
+from email_agent.data import DataError
 from email_agent.rewards import JUDGE_PROBE, judge_request
 from scripted_server import call, expert_script, serve_in_thread
 
@@ -70,7 +72,7 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     torn = tmp_path / "torn"
     torn.mkdir()
     text = (tmp_path / "first" / "results.jsonl").read_text()
-    (torn / "results.jsonl").write_text(text + text[:40])
+    (torn / "results.jsonl").write_text(text + text[:40] + "\n" + '{"model": "x"}\n')  # and a record of nothing
     assert run_cli("--rejudge", torn, "--output", tmp_path / "third") == 0
     assert len((tmp_path / "third" / "results.jsonl").read_text().splitlines()) == 1
 
@@ -398,6 +400,32 @@ def test_a_cpu_checkpoint_emptied_by_hand_names_the_others(demo_db_path, tmp_pat
     err = capsys.readouterr().err
     assert f"Could not load the LoRA checkpoint {run / 'checkpoints' / '0002'}" in err and "Traceback" not in err
     assert "The run's other checkpoints: 1 (--model cpu@1)." in err and not (tmp_path / "out").exists()
+
+
+def test_a_damaged_run_config_is_one_error_and_does_not_hide_the_other_runs(tmp_path, caplog):
+    good, bad = make_gpu_run(tmp_path / "art", name="good"), make_gpu_run(tmp_path / "art", name="bad")
+    for content in (b"{not json", b"[1]", b"\xff\xfe"):
+        (bad / "run_config.json").write_bytes(content)
+        with pytest.raises(DataError, match="run_config.json is damaged"):
+            evaluation.Run.load(bad)
+        assert [run.name for run in evaluation.list_runs(str(tmp_path / "art"))] == ["good"]
+    assert "skipping a run" in caplog.text
+
+
+@pytest.mark.parametrize("spec, message", [("gpu@\u00b2", "a step is a number or 'latest'"),
+                                           ("base@3", "'base' is the untrained model; it has no steps")])
+def test_steps_that_are_not_steps_are_refused(demo_db_path, tmp_path, capsys, spec, message):
+    make_gpu_run(tmp_path / "art")
+    assert run_cli("--db", demo_db_path, "--model", spec, "--art-dir", tmp_path / "art",
+                   "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_an_output_in_a_training_runs_folder_is_refused(demo_db_path, tmp_path, capsys):
+    run = make_gpu_run(tmp_path / "art")
+    assert run_cli("--db", demo_db_path, "--model", "base", "--output", run) == 1
+    assert "is a training run's folder" in capsys.readouterr().err and run.is_dir()
 
 
 def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path, capsys, monkeypatch):

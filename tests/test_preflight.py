@@ -185,10 +185,13 @@ def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, tmp_path, monk
                  preflight=True, sft_from="demo-expert")
     assert "preflight: 2 groups x 2 rollouts" in capsys.readouterr().out
     run = tmp_path / "email-agent/models/h"
-    assert not (run / "history.jsonl").exists()
-    assert not (run / "state.json").exists()  # the warm start is not marked done
-    assert not (run / "run_config.json").exists()  # nor its settings saved: evaluation reads them
+    assert not run.exists()  # a preflight of a new run leaves no run behind (registering wrote its model.json)
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)  # a run that exists
+    with pytest.raises(cli.DataError, match="^cannot learn"):
+        run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
+                 preflight=True, sft_from="demo-expert")
+    assert not (run / "history.jsonl").exists() and not (run / "state.json").exists()  # nothing marked done
+    assert not (run / "run_config.json").exists() and (run / "checkpoints").is_dir()  # nor saved, nor deleted
     with pytest.raises(cli.DataError, match="--preflight with --fresh would delete"):
         asyncio.run(cli.train(cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0,
                                               preflight=True, fresh=True)))

@@ -89,6 +89,19 @@ def test_teacher_folder_keeps_exactly_the_judged_correct_cited_train_episodes(de
     assert trajs[0].tools and trajs[0].metadata["teacher"] == "openai/o4-mini"
 
 
+def test_a_teacher_folder_with_unreadable_results(demo_db, tmp_path, caplog):
+    train_id = qmod.select_questions(demo_db, "train")[0].id
+    folder = tmp_path / "a teacher"  # a space in the path is a path like any other
+    folder.mkdir()
+    (folder / "results.jsonl").write_text("junk\n")
+    with pytest.raises(DataError, match="results.jsonl holds no episodes"):
+        teacher_trajectories(folder, demo_db)
+    (folder / "results.jsonl").write_text(json.dumps(record(train_id)) + "\n" + json.dumps(record(train_id))[:50])
+    with caplog.at_level(logging.WARNING, logger="email_agent"):
+        trajs = asyncio.run(sft_source(str(folder), demo_db, [], RolloutConfig()))
+    assert len(trajs) == 1 and "1 unreadable line(s)" in caplog.text
+
+
 def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, caplog):
     train_id = qmod.select_questions(demo_db, "train")[0].id
     shape = {"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10}

@@ -430,6 +430,50 @@ def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stop
     assert interrupted["trained"] == whole["trained"]  # epoch 2 got epoch 2's rates, not the schedule's start
 
 
+class DamagedState(SFTRecorder):
+    def read_state(self):
+        return json.loads("{half")
+
+
+def test_run_state_is_checked_against_the_checkpoints(tmp_path, capsys):
+    cfg = cli.TrainConfig(name="r", art_dir=str(tmp_path), sft_from="demo-expert")
+    with pytest.raises(cli.DataError, match="state.json is damaged"):
+        asyncio.run(cli.check_run_state(cfg, DamagedState({"step": 0, "state": {}})))
+    # checkpoints deleted back into the warm start: it resumes from the latest one left
+    run = {"step": 1, "state": {"sft_start_step": 0, "sft_done": True, "sft_steps": 3}}
+    state = asyncio.run(cli.check_run_state(cfg, SFTRecorder(run)))
+    assert state == {"sft_start_step": 0, "sft_done": False, "sft_steps": 3} == run["state"]
+    assert "the warm start resumes from step 1" in capsys.readouterr().err
+    # the state deleted after a warm start: where it ended is unknown
+    cli.run_dir(cfg).mkdir(parents=True)
+    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 3, "sft_epoch": 3}\n')
+    with pytest.raises(cli.DataError, match="no state.json, so where its warm start ended is unknown"):
+        asyncio.run(cli.check_run_state(cfg, SFTRecorder({"step": 5, "state": {}})))
+    # a run trained with GRPO alone has no state: nothing to check
+    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 5, "train/reward": 0.5}\n')
+    assert asyncio.run(cli.check_run_state(cfg, SFTRecorder({"step": 5, "state": {}}))) == {}
+
+
+def test_a_half_written_history_line_is_dropped_before_the_run_goes_on(tmp_path, capsys):
+    history = tmp_path / "history.jsonl"
+    history.write_text('{"step": 1, "val/reward": 0.5}\n{"step": 2, "train/rew')
+    cli.drop_torn_history_line(history)
+    assert history.read_text() == '{"step": 1, "val/reward": 0.5}\n' and "half-written" in capsys.readouterr().err
+    cli.drop_torn_history_line(history)  # whole lines are left alone
+    assert history.read_text() == '{"step": 1, "val/reward": 0.5}\n'
+
+
+def test_one_run_is_trained_by_one_process_at_a_time(demo_db_path, tmp_path, capsys):
+    cfg = cli.TrainConfig(name="busy", art_dir=str(tmp_path))
+    held = cli.lock_run(cfg)
+    try:
+        code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "busy"])
+        assert code == 1 and f"run 'busy' is being trained by process {os.getpid()}" in capsys.readouterr().err
+    finally:
+        held.close()
+    cli.lock_run(cfg).close()  # free again once the holder is gone
+
+
 @pytest.mark.slow
 def test_kill_9_during_warm_start_epoch_2_resumes_at_epoch_2(demo_db_path, tmp_path):
     """The real command: SIGKILL (no cleanup at all) while epoch 2 trains, then the same command again."""

@@ -108,9 +108,12 @@ async def keep_latest_and_best(model, backend, latest: int) -> None:
 
     history = run_path(model.base_path, model.project, model.name) / "history.jsonl"
     rewards_by_step: dict[int, list[float]] = {}
-    for line in history.read_text().splitlines() if history.exists() else []:
-        row = json.loads(line)
-        if "val/reward" in row:
+    for line in history.read_text(errors="replace").splitlines() if history.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line a killed run cut off
+        if isinstance(row, dict) and isinstance(row.get("val/reward"), (int, float)) and isinstance(row.get("step"), int):
             rewards_by_step.setdefault(row["step"], []).append(row["val/reward"])
     keep = {latest}
     if rewards_by_step:
