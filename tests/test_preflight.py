@@ -210,9 +210,7 @@ def test_untrained_cpu_model_gets_cannot_learn(demo_db_path, tmp_path):
     assert "Error: cannot learn: no valid tool calls; warm-start it first: --sft-from demo-expert" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "valid tool calls     0%" in proc.stdout and "trainable groups" in proc.stdout
-    run = art_dir / "email-agent" / "models" / "raw"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000"]  # nothing trained
-    assert not (run / "history.jsonl").exists()
+    assert not (art_dir / "email-agent" / "models" / "raw").exists()  # nothing trained, no run left behind
 
 
 def test_a_run_whose_groups_mostly_lack_reward_variance_is_told_to_sample_more_widely():
