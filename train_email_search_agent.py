@@ -305,7 +305,7 @@ async def check_run_state(cfg: TrainConfig, model) -> dict:
                         f"run {cfg.name!r} over with --fresh, or train under another --name")
     step = await model.get_step()
     history = run_dir(cfg) / "history.jsonl"
-    warm_started = history.is_file() and '"sft_epoch"' in history.read_text(errors="replace")
+    warm_started = history.is_file() and 'sft_epoch"' in history.read_text(errors="replace")  # logged as train/sft_epoch
     if step and warm_started and not state:
         raise DataError(f"run {cfg.name!r} has checkpoints up to step {step} but no {path.name}, so where its warm "
                         f"start ended is unknown; restore that file, or start over with --fresh")

@@ -446,7 +446,7 @@ def test_run_state_is_checked_against_the_checkpoints(tmp_path, capsys):
     assert "the warm start resumes from step 1" in capsys.readouterr().err
     # the state deleted after a warm start: where it ended is unknown
     cli.run_dir(cfg).mkdir(parents=True)
-    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 3, "sft_epoch": 3}\n')
+    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 3, "train/sft_epoch": 3}\n')
     with pytest.raises(cli.DataError, match="no state.json, so where its warm start ended is unknown"):
         asyncio.run(cli.check_run_state(cfg, SFTRecorder({"step": 5, "state": {}})))
     # a run trained with GRPO alone has no state: nothing to check
