@@ -268,11 +268,8 @@ def read_maildir(root: Path) -> Iterator[dict]:
         if path.parent.name == "tmp" and (path.parent.parent / "cur").is_dir():
             continue
         label = str(path.relative_to(root.parent))
-        if name.lower().endswith(RECORD_SUFFIXES):
-            yield from read_jsonl(path)
-            continue
-        if name.lower().endswith(".parquet"):
-            yield from read_parquet(path)
+        if name.lower().endswith((*RECORD_SUFFIXES, ".parquet")):
+            yield from read_emails(path)
             continue
         if _looks_like_mbox(path):
             yield from read_mbox(path, label)
