@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
-from email_agent import cli, evaluation, report, rewards
-from email_agent.backends import ART_DIR, CPU_BASE_MODEL
+from email_agent import cli, evaluation, report, rewards, runs
+from email_agent.backends import ART_DIR, CPU_BASE_MODEL, PROJECT
 from email_agent.data import DataError, EmailDB
 from email_agent.episode import EpisodeShape
 from email_agent.questions import Question, id_sort_key, select_questions
@@ -85,6 +85,7 @@ async def evaluate(args) -> int:
     async with contextlib.AsyncExitStack() as stack:
         # Serve every model and probe it before the first rollout: a dead endpoint fails in seconds, not after
         # hours of the other models' rollouts.
+        evaluation.check_specs(args.model, args.art_dir)
         shared = evaluation.shared_run_shape(args.model, args.art_dir)
         contestants = [await evaluation.open_contestant(spec, options, stack, shared) for spec in args.model]
         labels = [c.label for c in contestants]
@@ -99,7 +100,6 @@ async def evaluate(args) -> int:
             print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
         print(f"evaluating {len(contestants)} model(s) on {len(questions)} {args.split} questions -> {out}",
               file=sys.stderr)
-        keep_previous(out)
         correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
         bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
 
@@ -109,31 +109,38 @@ async def evaluate(args) -> int:
             return evaluation.make_record(contestant, question, traj, config)
 
         tasks = [asyncio.ensure_future(one(c, q)) for c in contestants for q in questions]
-        with open(out / "results.jsonl", "w") as results_file:
-            try:
-                for finished in asyncio.as_completed(tasks):
-                    record = await finished
-                    records.append(record)
-                    results_file.write(json.dumps(record) + "\n")
-                    results_file.flush()  # an interrupted evaluation keeps every finished rollout
-                    tally = correct[record["model"]]
-                    tally[0] += record["metrics"]["answer_correct"]
-                    tally[1] += 1
-                    bar.set_postfix_str(" ".join(f"{k}={v[0] / max(v[1], 1):.0%}" for k, v in correct.items()))
-                    bar.update()
-            except (KeyboardInterrupt, asyncio.CancelledError):
-                for task in tasks:
-                    task.cancel()
-                print(f"\ninterrupted: writing the {len(records)} finished rollouts", file=sys.stderr)
-                finish(out, records, histories, [c.label for c in contestants])
+        results_file = None  # opened at the first finished rollout: an evaluation stopped before it writes nothing
+        try:
+            for finished in asyncio.as_completed(tasks):
+                record = await finished
+                if results_file is None:
+                    keep_previous(out)
+                    results_file = stack.enter_context(open(out / "results.jsonl", "w"))
+                records.append(record)
+                results_file.write(json.dumps(record) + "\n")
+                results_file.flush()  # an interrupted evaluation keeps every finished rollout
+                tally = correct[record["model"]]
+                tally[0] += record["metrics"]["answer_correct"]
+                tally[1] += 1
+                bar.set_postfix_str(" ".join(f"{k}={v[0] / max(v[1], 1):.0%}" for k, v in correct.items()))
+                bar.update()
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            for task in tasks:
+                task.cancel()
+            if not records:
+                print("\ninterrupted before any rollout finished: nothing written", file=sys.stderr)
                 return 130
-            except Exception:  # a bug, not a model's failure (those are recorded): keep what finished, then raise
-                for task in tasks:
-                    task.cancel()
+            print(f"\ninterrupted: writing the {len(records)} finished rollouts", file=sys.stderr)
+            finish(out, records, histories, [c.label for c in contestants])
+            return 130
+        except Exception:  # a bug, not a model's failure (those are recorded): keep what finished, then raise
+            for task in tasks:
+                task.cancel()
+            if records:
                 finish(out, records, histories, [c.label for c in contestants])
-                raise
-            finally:
-                bar.close()
+            raise
+        finally:
+            bar.close()
     return finish(out, records, histories, [c.label for c in contestants])
 
 
@@ -211,15 +218,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--art-dir", default=ART_DIR, help=f"where training runs live (default {ART_DIR})")
     p.add_argument("--wandb", action="store_true", help="trace rollouts and judge calls with W&B Weave (needs "
                                                         "WANDB_API_KEY; tracing is skipped if Weave cannot start)")
-    p.add_argument("--project", default=evaluation.PROJECT, help=f"W&B project for --wandb (default {evaluation.PROJECT})")
+    p.add_argument("--project", default=PROJECT, help=f"W&B project for --wandb (default {PROJECT})")
     return p
 
 
 def check_output(out: Path) -> None:
     """Before any model is served: an --output that cannot become a folder is a one-line error."""
     existing = next(p for p in (out, *out.parents) if p.exists())
-    if (out / "run_config.json").exists() or (out / "checkpoints").is_dir():
-        raise DataError(f"--output {out} is a training run's folder; give a folder of its own, such as eval/NAME")
+    run = next((p for p in (out.resolve(), *out.resolve().parents)
+                if (p / "run_config.json").is_file() or (p / "checkpoints").is_dir()), None)
+    if run is not None:  # checkpoint pruning and --fresh delete what is in there
+        raise DataError(f"--output {out} is {'in ' if run != out.resolve() else ''}a training run's folder; give a "
+                        f"folder of its own, such as eval/NAME")
     if not existing.is_dir():
         raise DataError(f"--output {out}: {existing} is a file; give a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
         if not args.model and not args.rejudge:
-            args.model = [str(evaluation.latest_run(args.art_dir).path)]
+            args.model = [str(runs.latest_run(args.art_dir).path)]
         return asyncio.run(evaluate(args))
     except DataError as exc:
         print(f"Error: {exc}", file=sys.stderr)

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
-from email_agent import cli
+from email_agent import cli, runs
 from email_agent.backends import ART_DIR, PROJECT, run_path
-from email_agent.data import DataError, EmailDB, visible_until
+from email_agent.data import DataError, EmailDB, check_day, visible_until
 from email_agent.episode import EpisodeShape
 
 DEFAULT_DB = "data/enron_emails.db"
@@ -63,8 +63,6 @@ def build_db(args) -> None:
 # ---- generate-questions: an LLM writes the question set for an inbox -----------------------------
 
 def generate_questions(args) -> None:
-    import os
-
     from email_agent.generate import GenerateConfig, cache_path, generate_questions
 
     cfg = GenerateConfig(model=args.model, base_url=args.base_url, api_key=os.environ.get("QUESTIONS_API_KEY"),
@@ -81,16 +79,11 @@ def generate_questions(args) -> None:
 # ---- search / read: exactly what the agent's tools return ----------------------------------------
 
 def search(args) -> None:
-    from dataclasses import asdict
-
     db = EmailDB(args.db)
     db.require_inbox(args.inbox)
-    try:
-        results = db.search(args.inbox, args.keywords, from_address=args.from_address, to_address=args.to_address,
-                            sent_after=args.after, sent_before=args.before,
-                            visible_until=visible_until(args.as_of), max_results=args.max_results)
-    except ValueError as exc:  # a malformed --after/--before
-        raise DataError(f"{exc}; dates are YYYY-MM-DD") from None
+    results = db.search(args.inbox, args.keywords, from_address=args.from_address, to_address=args.to_address,
+                        sent_after=check_day("--after", args.after), sent_before=check_day("--before", args.before),
+                        visible_until=visible_until(args.as_of), max_results=args.max_results)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2, ensure_ascii=False))
         return
@@ -103,8 +96,6 @@ def search(args) -> None:
 
 
 def read(args) -> None:
-    from dataclasses import asdict
-
     db = EmailDB(args.db)
     if args.inbox:
         db.require_inbox(args.inbox)
@@ -239,91 +230,14 @@ def run_dir(cfg: TrainConfig) -> Path:
     return run_path(cfg.art_dir, cfg.project, cfg.name)
 
 
+def saved_config(cfg: TrainConfig, backend: str) -> dict:
+    """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
+    is served where it was trained and plays the episodes it learned on."""
+    return {**asdict(cfg), "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))}
+
+
 def wandb_installed() -> bool:
     return importlib.util.find_spec("wandb") is not None  # ART 0.5.18's model.log imports it for W&B metrics
-
-
-def prepare_run(cfg: TrainConfig, backend: str) -> None:
-    """Resume a run of the same name, or start it; --fresh deletes it first. Saves the resolved config
-    (a preflight only checks that it could resume)."""
-    from email_agent.evaluation import Run
-
-    directory = run_dir(cfg)
-    config_path = directory / "run_config.json"
-    if cfg.fresh and directory.exists():
-        shutil.rmtree(directory)
-    if config_path.exists():
-        previous = Run.load(directory).config
-        for key in ("base_model", "lora_rank", "lora_alpha"):
-            if previous.get(key) != getattr(cfg, key):
-                raise DataError(f"run {cfg.name!r} was trained with {key}={previous.get(key)!r}, not "
-                                f"{getattr(cfg, key)!r}; use --fresh to start it over, or another --name.")
-        print(f"resuming run {cfg.name!r} from {directory}", file=sys.stderr)
-    if cfg.preflight:
-        return  # a preflight changes nothing a later run or evaluation reads
-    drop_torn_history_line(directory / "history.jsonl")
-    directory.mkdir(parents=True, exist_ok=True)
-    # The backend and episode shape are read back by evaluation and `ask`: a run is served where it was trained
-    # and plays the episodes it learned on.
-    config_path.write_text(json.dumps({**asdict(cfg), "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))},
-                                      indent=2) + "\n")
-
-
-def lock_run(cfg: TrainConfig):
-    """An exclusive lock on the run's name (a file in --art-dir: --fresh deletes the run's folder), held until the
-    returned file is closed; a DataError if another process holds it: two processes training one run would
-    write the same checkpoints and prune each other's."""
-    import fcntl
-
-    path = Path(cfg.art_dir) / f".{cfg.project}.{cfg.name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(path, "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another process"
-        lock.close()
-        raise DataError(f"run {cfg.name!r} is being trained by {holder}; wait for it, stop it, or use another --name")
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"process {os.getpid()}")
-    lock.flush()
-    return lock
-
-
-async def check_run_state(cfg: TrainConfig, model) -> dict:
-    """The run's saved progress, checked against its checkpoints: a damaged state file is an error, and one that
-    says the warm start ended after the latest checkpoint (checkpoints deleted) lets the warm start resume."""
-    path = run_dir(cfg) / "state.json"
-    try:
-        state = model.read_state() or {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        state = exc
-    if not isinstance(state, dict):
-        raise DataError(f"{path} is damaged ({state if isinstance(state, Exception) else 'not an object'}); start "
-                        f"run {cfg.name!r} over with --fresh, or train under another --name")
-    step = await model.get_step()
-    history = run_dir(cfg) / "history.jsonl"
-    warm_started = history.is_file() and 'sft_epoch"' in history.read_text(errors="replace")  # logged as train/sft_epoch
-    if step and warm_started and not state:
-        raise DataError(f"run {cfg.name!r} has checkpoints up to step {step} but no {path.name}, so where its warm "
-                        f"start ended is unknown; restore that file, or start over with --fresh")
-    if state.get("sft_done") and step < state.get("sft_steps", 0):
-        print(f"note: run {cfg.name!r}'s checkpoints end at step {step}, before its warm start ended (step "
-              f"{state['sft_steps']}): the warm start resumes from step {step}", file=sys.stderr)
-        state = model.merge_state({"sft_done": False, "sft_start_step": min(state.get("sft_start_step", 0), step)})
-    return state
-
-
-def drop_torn_history_line(history: Path) -> None:
-    """Cut a last line that a killed run left half-written: ART appends the next step's line to it otherwise."""
-    if not history.is_file() or history.stat().st_size == 0:
-        return
-    text = history.read_bytes()
-    if not text.endswith(b"\n"):
-        history.write_bytes(text[:text.rfind(b"\n") + 1])
-        print(f"note: dropped a half-written last line of {history}", file=sys.stderr)
 
 
 async def validate(model, policy, questions, db, rollout_config, step: int) -> dict:
@@ -345,7 +259,19 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
             "accuracy": sum(t.metrics["answer_correct"] for t in trajs) / max(len(trajs), 1), **extra}
 
 
-async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_config) -> None:
+async def warm_start_episodes(cfg: TrainConfig, db, train_questions, rollout_config) -> list:
+    """The trajectories the warm start imitates: the demo expert's, or a teacher's judged-correct ones."""
+    from email_agent.sft import sft_source
+
+    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config)
+    if cfg.sft_limit:
+        trajectories = trajectories[:cfg.sft_limit]
+    if not trajectories:
+        raise DataError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
+    return trajectories
+
+
+async def warm_start(cfg: TrainConfig, model, trajectories: list) -> None:
     """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch.
 
     Resumable: the step the warm start began at is saved in the run state before the first epoch, so after an
@@ -354,17 +280,10 @@ async def warm_start(cfg: TrainConfig, model, db, train_questions, rollout_confi
     import art
     from art.utils.sft import create_lr_schedule
 
-    from email_agent.sft import sft_source
-
     state = model.read_state() or {}
     if "sft_start_step" not in state:
         state = model.merge_state({"sft_start_step": await model.get_step()})
     done = await model.get_step() - state["sft_start_step"]  # epochs already checkpointed
-    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config)
-    if cfg.sft_limit:
-        trajectories = trajectories[:cfg.sft_limit]
-    if not trajectories:
-        raise DataError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
     abstentions = sum(1 for t in trajectories if t.metrics.get("returned_i_dont_know"))
     print(f"warm start: {len(trajectories)} trajectories from {cfg.sft_from} ({abstentions} end in \"I don't know\")"
           + (f"; resuming after epoch {done}" if done else ""), file=sys.stderr)
@@ -434,7 +353,12 @@ async def train(cfg: TrainConfig) -> None:
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     backend = backends.make_backend(backend_name, cfg)  # fails here, before anything is saved, if it cannot run
     new_run = not run_dir(cfg).exists()
-    prepare_run(cfg, backend_name)
+    runs.start(run_dir(cfg), saved_config(cfg, backend_name), fresh=cfg.fresh, preflight=cfg.preflight)
+    state = runs.read_state(run_dir(cfg))
+    # The warm start's episodes are gathered before the model loads (minutes on a GPU): a teacher folder with
+    # nothing to learn from fails first.
+    sft_episodes = (await warm_start_episodes(cfg, db, train_questions, rollout_config)
+                    if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
         from email_agent.tracing import traced_rollout
 
@@ -451,7 +375,7 @@ async def train(cfg: TrainConfig) -> None:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   max_concurrency=cfg.concurrency)
-        state = await check_run_state(cfg, model)
+        state = await runs.check_state(run_dir(cfg), state, model)
         after_each = None
         if reward_mode == "ruler":
             params = judge.litellm_params() if judge else None  # the judge's endpoint and key (JUDGE_API_*)
@@ -483,7 +407,8 @@ async def train(cfg: TrainConfig) -> None:
             print(f"preflight: {verdict.headline}")
             return
         if warm_start_pending:
-            await warm_start(cfg, model, db, train_questions, rollout_config)
+            sft_episodes = sft_episodes or await warm_start_episodes(cfg, db, train_questions, rollout_config)
+            await warm_start(cfg, model, sft_episodes)
             state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
             sft_steps = state["sft_steps"]
             policy.model = model.get_inference_name()
@@ -591,11 +516,10 @@ def train_command(args) -> None:
     if cfg.sft_from not in ("", "demo-expert") and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
         raise DataError(f"--sft-from {cfg.sft_from}: expected 'demo-expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")
-    for flag, value in (("--name", cfg.name), ("--project", cfg.project)):
-        if not value or "/" in value or value in (".", ".."):
-            raise DataError(f"{flag} {value!r}: a run needs a {flag[2:]} that is a plain folder name")
+    runs.check_name("--name", cfg.name)
+    runs.check_name("--project", cfg.project)
     print(json.dumps(asdict(cfg)), file=sys.stderr)
-    lock = lock_run(cfg)
+    lock = runs.lock(cfg.art_dir, cfg.project, cfg.name)
     # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
     loop = asyncio.new_event_loop()
     task = loop.create_task(train(cfg))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Callable
 
-from . import evaluation
+from . import evaluation, runs
 from .data import DataError, Email, EmailDB, day_after, visible_until
 from .questions import Question
 
@@ -32,8 +32,8 @@ def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Que
 def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db: str) -> tuple[str, EmailDB]:
     """The --model to ask (the most recent run when none is given) and the database: --db, else the one the
     run was trained on, else the default."""
-    spec = spec or str(evaluation.latest_run(art_dir).path)
-    run = evaluation.find_run(spec.partition("@")[0], art_dir)
+    spec = spec or str(runs.latest_run(art_dir).path)
+    run = runs.find_run(spec.partition("@")[0], art_dir)
     return spec, EmailDB(db_path or (run.config.get("db") if run else None) or default_db)
 
 

@@ -417,14 +417,20 @@ def day_after(day: str) -> str:
     return (start + timedelta(days=1)).strftime("%Y-%m-%d 00:00:00")
 
 
+def check_day(flag: str, day: str | None) -> str | None:
+    """A date a user typed, whole: the agent's tools read the first 10 characters of what a model sends
+    ('2001-05-31T09:00'), but '2001-05-31x' on a command line is a typo to point at."""
+    if day is not None:
+        try:
+            datetime.fromisoformat(day.strip())
+        except ValueError:
+            raise DataError(f"{flag} must be a date like 2001-05-31, not {day!r}") from None
+    return day
+
+
 def visible_until(as_of: str | None) -> str | None:
     """The bound that hides mail dated after `as_of` (a user's --as-of; None shows everything)."""
-    if as_of is None:
-        return None
-    try:
-        return day_after(as_of)
-    except ValueError:
-        raise DataError(f"--as-of must be a date like 2001-05-31, not {as_of!r}") from None
+    return None if check_day("--as-of", as_of) is None else day_after(as_of)
 
 
 # What this module reads: a database without these (another program's, or a build older than the mailbox table)

@@ -1,11 +1,11 @@
 """Evaluation: who plays, served the way it was trained; checked before it plays; what one answer records.
 
-Owns: finding training runs (`Run`, `find_run`, `latest_run`) and their checkpoints; turning a `--model`
-value into a `Contestant` with a ready policy (a run on its own backend: CPU in-process, ART's LocalBackend
-/ vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted model behind an
-OpenAI-compatible endpoint); `probe`, one cheap request that fails fast on an unreachable server, a refused
-key or an unknown model; the result record of one question x model (`make_record`, read by `report` and
-`sft`) and re-judging it. `test_email_search_agent.py` and the `ask` command are thin layers over this.
+Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
+`Contestant` with a ready policy (a run on its own backend: CPU in-process, ART's LocalBackend / vLLM, W&B
+Serverless or Tinker; the untrained base model on CPU; a prompted model behind an OpenAI-compatible
+endpoint); `probe`, one cheap request that fails fast on an unreachable server, a refused key or an unknown
+model; the result record of one question x model (`make_record`, read by `report` and `sft`) and
+re-judging it. `test_email_search_agent.py` and the `ask` command are thin layers over this.
 It does not render reports (see `report`) and plays episodes only through `rollout`.
 """
 
@@ -20,123 +20,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from . import rewards
-from .backends import ART_DIR, CPU_BASE_MODEL, PROJECT, run_path
+from .backends import ART_DIR, CPU_BASE_MODEL
 from .data import DataError
 from .episode import EpisodeShape
 from .questions import Question
 from .redact import redact
+from .runs import Run, find_run, is_step
 
 log = logging.getLogger(__name__)
-
-
-# ----------------------------------------------------------------------------------------------
-# Training runs and their checkpoints
-# ----------------------------------------------------------------------------------------------
-
-@dataclass
-class Run:
-    """A training run's folder: <art_dir>/<project>/models/<name>/ with run_config.json and checkpoints/."""
-
-    path: Path
-    config: dict
-
-    @classmethod
-    def load(cls, path: Path) -> "Run":
-        config_path = path / "run_config.json"
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            config = exc
-        if not isinstance(config, dict):
-            raise DataError(f"{config_path} is damaged ({config if isinstance(config, Exception) else 'not an object'}):"
-                            f" it records how the run was trained; restore it, or train the run again with --fresh.")
-        return cls(path, config)
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    @property
-    def project(self) -> str:
-        return self.path.parent.parent.name
-
-    @property
-    def art_dir(self) -> str:
-        return str(self.path.parent.parent.parent)
-
-    @property
-    def backend(self) -> str:
-        return self.config.get("backend", "cpu")  # runs from before the backend was saved were CPU runs
-
-    @property
-    def base_model(self) -> str:
-        if not self.config.get("base_model"):
-            raise DataError(f"{self.path / 'run_config.json'} is missing or names no base_model; is this a training run?")
-        return self.config["base_model"]
-
-    @property
-    def shape(self) -> EpisodeShape:
-        return EpisodeShape.from_run_config(self.config)
-
-    def steps(self) -> list[int]:
-        folder = self.path / "checkpoints"
-        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
-
-    def checkpoint(self, step: str) -> tuple[int, Path]:
-        """'' / 'latest' / 'N' -> (step, its folder), from the checkpoints on this machine."""
-        steps = self.steps()
-        if not steps:
-            raise DataError(f"{self.path} has no checkpoints yet.")
-        if step in ("", "latest"):
-            chosen = steps[-1]
-        elif not is_step(step) or int(step) not in steps:
-            raise DataError(f"{self.path} has no checkpoint {step!r}; it has {', '.join(map(str, steps))} "
-                            f"(or use @latest).")
-        else:
-            chosen = int(step)
-        return chosen, self.path / "checkpoints" / f"{chosen:04d}"
-
-    def last_active(self) -> float:
-        candidates = [self.path / "run_config.json", self.path / "history.jsonl", self.path / "checkpoints"]
-        return max((p.stat().st_mtime for p in candidates if p.exists()), default=0.0)
-
-
-def is_step(text: str) -> bool:
-    return text.isascii() and text.isdigit()  # str.isdigit alone accepts '²', which int() refuses
-
-
-def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
-    """A run by folder, or by name under art_dir (the default project first, then any other)."""
-    path = Path(name)
-    if (path / "run_config.json").exists() or (path / "checkpoints").is_dir():
-        return Run.load(path)
-    if not name or "/" in name or name in (".", ".."):
-        return None
-    candidates = [run_path(art_dir, PROJECT, name)] + sorted(Path(art_dir).glob(f"*/models/{name}"))
-    return next((Run.load(p) for p in candidates if (p / "run_config.json").exists()), None)
-
-
-def list_runs(art_dir: str = ART_DIR) -> list[Run]:
-    """Every run under art_dir, the most recently active first."""
-    runs = []
-    for path in Path(art_dir).glob("*/models/*/run_config.json"):
-        try:
-            runs.append(Run.load(path.parent))
-        except DataError as exc:  # one damaged run does not hide the others
-            log.warning("skipping a run: %s", exc)
-    return sorted(runs, key=Run.last_active, reverse=True)
-
-
-def latest_run(art_dir: str = ART_DIR) -> Run:
-    """The most recently active run, or a DataError that says what else to pass."""
-    runs = list_runs(art_dir)
-    if not runs:
-        raise DataError(f"no trained run under {art_dir}/*/models/ (train one with `python train_email_search_agent.py "
-                        f"train --demo`), so give --model: base (the untrained model on CPU), a provider/model such "
-                        f"as openai/o4-mini, or hosted_vllm/NAME with --base-url.")
-    log.info("no --model given: using the most recent run, %s (others: %s)", runs[0].name,
-             ", ".join(r.name for r in runs[1:]) or "none")
-    return runs[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,6 +69,30 @@ class Contestant:
                        search_results=self.shape.search_results)
 
 
+def check_specs(specs: list[str], art_dir: str) -> None:
+    """What can be told of the --model values before any model is served (a model loads in seconds on CPU,
+    minutes on a GPU): a step that is not one, and one checkpoint asked for under two names (RUN and RUN@N where
+    N is its latest step). The checks of `open_contestant` stay: `ask` and other callers serve one model."""
+    labels = {}
+    for spec in specs:
+        name, at, step = spec.partition("@")
+        if at and not step:
+            raise DataError(f"--model {spec}: give a step after '@' (a number or 'latest'), or leave '@' out")
+        run = find_run(name, art_dir)
+        if run is None:
+            if name == "base" and at:
+                raise DataError(f"--model {spec}: 'base' is the untrained model; it has no steps")
+            continue
+        if step not in ("", "latest") and not is_step(step):
+            raise DataError(f"--model {spec}: a step is a number or 'latest'.")
+        if run.backend == "cpu":  # its checkpoints are here to count; an ART backend's are its own
+            label = f"{run.name}@{run.checkpoint(step)[0]}"
+            if label in labels:
+                raise DataError(f"--model: {label} is given twice ({labels[label]} and {spec}); each model is "
+                                f"evaluated once")
+            labels[label] = spec
+
+
 async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncExitStack,
                           default_shape: EpisodeShape | None = None) -> Contestant:
     """A --model value -> a Contestant (servers it starts are closed by `stack`).
@@ -189,6 +104,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
 
     from .rollout import Policy
 
+    check_specs([spec], options.art_dir)
     name, _, step = spec.partition("@")
     common = dict(max_concurrency=options.concurrency, temperature=options.temperature)
     run = find_run(name, options.art_dir)

@@ -489,6 +489,13 @@ def test_search_and_read_mistakes_say_what_went_wrong(demo_db_path):
         "read", "demo.000083@larkspur.example")
     assert "exists, but --as-of 2024-01-01 hides it" in run("read", "<demo.000083@larkspur.example>",
                                                             "--as-of", "2024-01-01")
+    # a typed date is read whole: a stray character is pointed at, not cut off
+    assert "--after must be a date like 2001-05-31, not '2024-05-01x'" in run(
+        "search", "--inbox", "maya.okafor@larkspur.example", "egret", "--after", "2024-05-01x")
+    assert "--before must be a date like 2001-05-31, not '2024-13-01'" in run(
+        "search", "--inbox", "maya.okafor@larkspur.example", "egret", "--before", "2024-13-01")
+    assert "--as-of must be a date like 2001-05-31, not '2024-05-01x'" in run(
+        "read", "<demo.000083@larkspur.example>", "--as-of", "2024-05-01x")
 
 
 def test_swapped_emails_and_questions_files_are_caught(tmp_path):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import ROOT, needs_enron
-from email_agent import evaluation
+from email_agent import evaluation, runs
 from email_agent import questions as qmod
 from email_agent.data import DataError
 from email_agent.rewards import JUDGE_PROBE, judge_request
@@ -192,6 +192,24 @@ def test_ctrl_c_keeps_finished_rollouts(demo_db_path, demo_questions, tmp_path):
     assert len(results.read_text().splitlines()) == 2
     assert json.loads((tmp_path / "summary.json").read_text())["models"]["hosted_vllm/x"]["n"] == 2
     assert (tmp_path / "report.html").exists() and "Traceback" not in err
+
+
+def test_ctrl_c_before_any_rollout_finished_writes_nothing(demo_db_path, demo_questions, tmp_path):
+    """Nothing to report: no empty results.jsonl (for --rejudge to trip on), the previous evaluation left in place."""
+    (tmp_path / "results.jsonl").write_text("previous\n")
+    with serve_in_thread({q.question: [{"sleep": 60, "text": "..."}] for q in demo_questions[:2]}) as server:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "test_email_search_agent.py"), "--db", str(demo_db_path),
+                                 "--model", "hosted_vllm/x", "--base-url", server.base_url, "--limit", "2",
+                                 "--output", str(tmp_path), "--art-dir", str(tmp_path / "art")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and len(server.requests) < 2:  # the probe, then a rollout's first request
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted before any rollout finished: nothing written" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]
+    assert (tmp_path / "results.jsonl").read_text() == "previous\n"
 
 
 @needs_enron
@@ -407,8 +425,8 @@ def test_a_damaged_run_config_is_one_error_and_does_not_hide_the_other_runs(tmp_
     for content in (b"{not json", b"[1]", b"\xff\xfe"):
         (bad / "run_config.json").write_bytes(content)
         with pytest.raises(DataError, match="run_config.json is damaged"):
-            evaluation.Run.load(bad)
-        assert [run.name for run in evaluation.list_runs(str(tmp_path / "art"))] == ["good"]
+            runs.Run.load(bad)
+        assert [run.name for run in runs.list_runs(str(tmp_path / "art"))] == ["good"]
     assert "skipping a run" in caplog.text
 
 
@@ -422,10 +440,32 @@ def test_steps_that_are_not_steps_are_refused(demo_db_path, tmp_path, capsys, sp
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("specs, message", [(["tiny", "tiny@2"], "--model: tiny@2 is given twice (tiny and tiny@2)"),
+                                            (["base", "tiny@"], "--model tiny@: give a step after '@'"),
+                                            (["base", "tiny@5"], "has no checkpoint '5'; it has 1, 2")])
+def test_model_specs_are_checked_before_any_model_is_served(demo_db_path, tmp_path, capsys, monkeypatch, specs,
+                                                            message):
+    run = make_gpu_run(tmp_path / "art", name="tiny")
+    config = json.loads((run / "run_config.json").read_text())
+    (run / "run_config.json").write_text(json.dumps({**config, "backend": "cpu"}))
+
+    async def no_serving(*args, **kwargs):
+        raise AssertionError("a model was served")
+
+    monkeypatch.setattr(evaluation, "serve_on_cpu", no_serving)
+    argv = [arg for spec in specs for arg in ("--model", spec)]
+    assert run_cli("--db", demo_db_path, *argv, "--art-dir", tmp_path / "art", "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_an_output_in_a_training_runs_folder_is_refused(demo_db_path, tmp_path, capsys):
     run = make_gpu_run(tmp_path / "art")
     assert run_cli("--db", demo_db_path, "--model", "base", "--output", run) == 1
     assert "is a training run's folder" in capsys.readouterr().err and run.is_dir()
+    assert run_cli("--db", demo_db_path, "--model", "base", "--output", run / "checkpoints" / "eval") == 1
+    assert "is in a training run's folder" in capsys.readouterr().err
+    assert not (run / "checkpoints" / "eval").exists()
 
 
 def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path, capsys, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from email_agent import backends
+from email_agent import backends, runs
 from scripted_server import call, expert_script, serve_in_thread
 
 import test_email_search_agent as evaluate_cli
@@ -138,11 +138,12 @@ def test_interrupt_mid_step_cancels_the_rollouts_in_flight(demo_db_path, tmp_pat
 
 def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     cfg = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="a")
-    cli.prepare_run(cfg, "cpu")
+    runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
     (cli.run_dir(cfg) / "checkpoints").mkdir()
+    changed = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b")
     with pytest.raises(cli.DataError, match="--fresh"):
-        cli.prepare_run(cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b"), "cpu")
-    cli.prepare_run(cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b", fresh=True), "cpu")
+        runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"))
+    runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"), fresh=True)
     assert not (cli.run_dir(cfg) / "checkpoints").exists()
     assert json.loads((cli.run_dir(cfg) / "run_config.json").read_text())["base_model"] == "b"
 
@@ -302,15 +303,14 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
 
 
 def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
-    from email_agent.evaluation import find_run
     from email_agent.episode import EpisodeShape
 
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
                                                              "--max-turns", "5"]))
-    cli.prepare_run(cfg, "cpu")
+    runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
     saved = json.loads((cli.run_dir(cfg) / "run_config.json").read_text())
     assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
-    run = find_run("demo", str(tmp_path))
+    run = runs.find_run("demo", str(tmp_path))
     assert run.shape == EpisodeShape(5, 64, 600, 3) and run.backend == "cpu"
     # A run saved before the "episode" entry existed: its top-level flags say the same.
     assert EpisodeShape.from_run_config({k: v for k, v in saved.items() if k != "episode"}) == run.shape
@@ -395,17 +395,18 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caps
                           sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, rollout_config))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
-        asyncio.run(cli.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), demo_db, train, rollout_config))
+        asyncio.run(cli.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
     assert run["step"] == 1 and len(run["trained"]) == 1
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), episodes))
     # Epochs 2 and 3 ran once each, on top of epoch 1's checkpoint: no epoch repeated, none skipped.
     assert run["trained"] == [(0, 6, [1e-3]), (1, 6, [1e-3]), (2, 6, [1e-3])] and run["step"] == 3
     assert "resuming after epoch 1" in capsys.readouterr().err
     assert [m for _, m in run["log"]] == [{"sft_epoch": 1}, {"sft_epoch": 2}, {"sft_epoch": 3}]  # curve markers
     assert [s for s, _ in run["log"]] == [1, 2, 3]
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), demo_db, train, rollout_config))  # all done: nothing re-runs
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
     assert len(run["trained"]) == 3
 
 
@@ -417,61 +418,92 @@ def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stop
                           sft_learning_rate=1e-3, sft_schedule="linear")
     train = questions.select_questions(demo_db, "train", seed=0)[:30]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, rollout_config))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(whole), demo_db, train, rollout_config))
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]
     # 2 epochs of 5 batches: one warm-up batch up to the peak, then a straight line down to 0 at the last batch.
     assert len(rates) == 10 and rates[0] == pytest.approx(1e-3) and rates[-1] == 0
     assert all(a > b for a, b in zip(rates[1:], rates[2:]))
     interrupted = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):
-        asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), demo_db, train, rollout_config))
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted), demo_db, train, rollout_config))
+        asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
+    asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted), episodes))
     assert interrupted["trained"] == whole["trained"]  # epoch 2 got epoch 2's rates, not the schedule's start
 
 
-class DamagedState(SFTRecorder):
-    def read_state(self):
-        return json.loads("{half")
+def test_a_damaged_state_file_is_one_error_before_any_model_loads(tmp_path):
+    folder = tmp_path / "r"
+    assert runs.read_state(folder) == {}  # a new run
+    folder.mkdir()
+    for content, problem in (("{half", "Expecting"), ("[1]", "not an object"),
+                             ('{"sft_steps": "x"}', "sft_steps is 'x', not an int"),
+                             ('{"sft_start_step": -2}', "sft_start_step is -2"),
+                             ('{"sft_done": 1}', "sft_done is 1, not a bool")):
+        (folder / "state.json").write_text(content)
+        with pytest.raises(cli.DataError, match=re.escape(problem)):
+            runs.read_state(folder)
+    (folder / "state.json").write_text('{"sft_start_step": 0, "sft_done": true, "sft_steps": 2, "other": [1]}')
+    assert runs.read_state(folder)["sft_steps"] == 2  # keys of others are left alone
 
 
 def test_run_state_is_checked_against_the_checkpoints(tmp_path, capsys):
-    cfg = cli.TrainConfig(name="r", art_dir=str(tmp_path), sft_from="demo-expert")
-    with pytest.raises(cli.DataError, match="state.json is damaged"):
-        asyncio.run(cli.check_run_state(cfg, DamagedState({"step": 0, "state": {}})))
+    folder = tmp_path / "r"
     # checkpoints deleted back into the warm start: it resumes from the latest one left
     run = {"step": 1, "state": {"sft_start_step": 0, "sft_done": True, "sft_steps": 3}}
-    state = asyncio.run(cli.check_run_state(cfg, SFTRecorder(run)))
+    state = asyncio.run(runs.check_state(folder, run["state"], SFTRecorder(run)))
     assert state == {"sft_start_step": 0, "sft_done": False, "sft_steps": 3} == run["state"]
     assert "the warm start resumes from step 1" in capsys.readouterr().err
     # the state deleted after a warm start: where it ended is unknown
-    cli.run_dir(cfg).mkdir(parents=True)
-    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 3, "train/sft_epoch": 3}\n')
+    folder.mkdir(parents=True)
+    (folder / "history.jsonl").write_text('{"step": 3, "train/sft_epoch": 3}\n')
     with pytest.raises(cli.DataError, match="no state.json, so where its warm start ended is unknown"):
-        asyncio.run(cli.check_run_state(cfg, SFTRecorder({"step": 5, "state": {}})))
+        asyncio.run(runs.check_state(folder, {}, SFTRecorder({"step": 5, "state": {}})))
     # a run trained with GRPO alone has no state: nothing to check
-    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 5, "train/reward": 0.5}\n')
-    assert asyncio.run(cli.check_run_state(cfg, SFTRecorder({"step": 5, "state": {}}))) == {}
+    (folder / "history.jsonl").write_text('{"step": 5, "train/reward": 0.5}\n')
+    assert asyncio.run(runs.check_state(folder, {}, SFTRecorder({"step": 5, "state": {}}))) == {}
+
+
+def test_a_damaged_run_state_or_empty_teacher_is_refused_before_the_model_loads(demo_db_path, tmp_path, capsys,
+                                                                               monkeypatch):
+    """What the command checks first, before it loads the base model (seconds on CPU, minutes on a GPU)."""
+    from email_agent.backends.cpu import CPUBackend
+
+    async def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(CPUBackend, "register", no_model)
+    common = ["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path)]
+    folder = backends.run_path(str(tmp_path), backends.PROJECT, "demo")
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text('{"sft_steps": "3"}')
+    assert cli.main(common) == 1
+    assert "state.json is damaged (sft_steps is '3', not an int)" in capsys.readouterr().err
+    teacher = tmp_path / "teacher"
+    teacher.mkdir()
+    (teacher / "results.jsonl").write_text('{"question_id": "nope"}\n')
+    assert cli.main(common + ["--name", "taught", "--sft-from", str(teacher)]) == 1
+    assert "results.jsonl holds no episodes" in capsys.readouterr().err
 
 
 def test_a_half_written_history_line_is_dropped_before_the_run_goes_on(tmp_path, capsys):
     history = tmp_path / "history.jsonl"
     history.write_text('{"step": 1, "val/reward": 0.5}\n{"step": 2, "train/rew')
-    cli.drop_torn_history_line(history)
+    runs.drop_torn_history_line(history)
     assert history.read_text() == '{"step": 1, "val/reward": 0.5}\n' and "half-written" in capsys.readouterr().err
-    cli.drop_torn_history_line(history)  # whole lines are left alone
+    runs.drop_torn_history_line(history)  # whole lines are left alone
     assert history.read_text() == '{"step": 1, "val/reward": 0.5}\n'
 
 
 def test_one_run_is_trained_by_one_process_at_a_time(demo_db_path, tmp_path, capsys):
     cfg = cli.TrainConfig(name="busy", art_dir=str(tmp_path))
-    held = cli.lock_run(cfg)
+    held = runs.lock(cfg.art_dir, cfg.project, cfg.name)
     try:
         code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "busy"])
         assert code == 1 and f"run 'busy' is being trained by process {os.getpid()}" in capsys.readouterr().err
     finally:
         held.close()
-    cli.lock_run(cfg).close()  # free again once the holder is gone
+    runs.lock(cfg.art_dir, cfg.project, cfg.name).close()  # free again once the holder is gone
 
 
 @pytest.mark.slow

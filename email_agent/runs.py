@@ -1,0 +1,235 @@
+"""A training run's folder, <art_dir>/<project>/models/<name>/: finding runs and their checkpoints, and
+starting, locking and resuming one.
+
+What a run's folder holds: run_config.json (how it was trained; evaluation and `ask` serve it the same way),
+state.json (ART's model state: where the warm start began and ended), history.jsonl (ART's metrics log, one
+line per logged step) and checkpoints/NNNN/. `train` starts, locks and resumes runs here; evaluation and
+`ask` find them here. Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backends import ART_DIR, PROJECT, run_path
+from .data import DataError
+from .episode import EpisodeShape
+
+log = logging.getLogger(__name__)
+
+
+# ---- finding runs (evaluation, ask) ----------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """A training run's folder: <art_dir>/<project>/models/<name>/ with run_config.json and checkpoints/."""
+
+    path: Path
+    config: dict
+
+    @classmethod
+    def load(cls, path: Path) -> "Run":
+        config_path = path / "run_config.json"
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            config = exc
+        if not isinstance(config, dict):
+            raise DataError(f"{config_path} is damaged ({config if isinstance(config, Exception) else 'not an object'}):"
+                            f" it records how the run was trained; restore it, or train the run again with --fresh.")
+        return cls(path, config)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def project(self) -> str:
+        return self.path.parent.parent.name
+
+    @property
+    def art_dir(self) -> str:
+        return str(self.path.parent.parent.parent)
+
+    @property
+    def backend(self) -> str:
+        return self.config.get("backend", "cpu")  # runs from before the backend was saved were CPU runs
+
+    @property
+    def base_model(self) -> str:
+        if not self.config.get("base_model"):
+            raise DataError(f"{self.path / 'run_config.json'} is missing or names no base_model; is this a training run?")
+        return self.config["base_model"]
+
+    @property
+    def shape(self) -> EpisodeShape:
+        return EpisodeShape.from_run_config(self.config)
+
+    def steps(self) -> list[int]:
+        folder = self.path / "checkpoints"
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+
+    def checkpoint(self, step: str) -> tuple[int, Path]:
+        """'' / 'latest' / 'N' -> (step, its folder), from the checkpoints on this machine."""
+        steps = self.steps()
+        if not steps:
+            raise DataError(f"{self.path} has no checkpoints yet.")
+        if step in ("", "latest"):
+            chosen = steps[-1]
+        elif not is_step(step) or int(step) not in steps:
+            raise DataError(f"{self.path} has no checkpoint {step!r}; it has {', '.join(map(str, steps))} "
+                            f"(or use @latest).")
+        else:
+            chosen = int(step)
+        return chosen, self.path / "checkpoints" / f"{chosen:04d}"
+
+    def last_active(self) -> float:
+        candidates = [self.path / "run_config.json", self.path / "history.jsonl", self.path / "checkpoints"]
+        return max((p.stat().st_mtime for p in candidates if p.exists()), default=0.0)
+
+
+def is_step(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # str.isdigit alone accepts '²', which int() refuses
+
+
+def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
+    """A run by folder, or by name under art_dir (the default project first, then any other)."""
+    path = Path(name)
+    if (path / "run_config.json").exists() or (path / "checkpoints").is_dir():
+        return Run.load(path)
+    if not name or "/" in name or name in (".", ".."):
+        return None
+    candidates = [run_path(art_dir, PROJECT, name)] + sorted(Path(art_dir).glob(f"*/models/{name}"))
+    return next((Run.load(p) for p in candidates if (p / "run_config.json").exists()), None)
+
+
+def list_runs(art_dir: str = ART_DIR) -> list[Run]:
+    """Every run under art_dir, the most recently active first."""
+    runs = []
+    for path in Path(art_dir).glob("*/models/*/run_config.json"):
+        try:
+            runs.append(Run.load(path.parent))
+        except DataError as exc:  # one damaged run does not hide the others
+            log.warning("skipping a run: %s", exc)
+    return sorted(runs, key=Run.last_active, reverse=True)
+
+
+def latest_run(art_dir: str = ART_DIR) -> Run:
+    """The most recently active run, or a DataError that says what else to pass."""
+    runs = list_runs(art_dir)
+    if not runs:
+        raise DataError(f"no trained run under {art_dir}/*/models/ (train one with `python train_email_search_agent.py "
+                        f"train --demo`), so give --model: base (the untrained model on CPU), a provider/model such "
+                        f"as openai/o4-mini, or hosted_vllm/NAME with --base-url.")
+    log.info("no --model given: using the most recent run, %s (others: %s)", runs[0].name,
+             ", ".join(r.name for r in runs[1:]) or "none")
+    return runs[0]
+
+
+# ---- starting and resuming a run (train) -----------------------------------------------------------
+
+def check_name(flag: str, value: str) -> None:
+    """--name and --project become folder names."""
+    if not value.strip() or value != value.strip() or "/" in value or value in (".", ".."):
+        raise DataError(f"{flag} {value!r}: a run needs a {flag[2:]} that is a plain folder name")
+
+
+def start(directory: Path, config: dict, fresh: bool = False, preflight: bool = False) -> None:
+    """Resume the run in `directory`, or start it; `fresh` deletes it first. Saves `config` (the resolved
+    training config with the backend and episode shape) unless this is a `preflight`, which only checks that
+    the run could resume and changes nothing a later run or evaluation reads."""
+    config_path = directory / "run_config.json"
+    if fresh and directory.exists():
+        shutil.rmtree(directory)
+    if config_path.exists():
+        previous = Run.load(directory).config
+        for key in ("base_model", "lora_rank", "lora_alpha"):
+            if previous.get(key) != config[key]:
+                raise DataError(f"run {directory.name!r} was trained with {key}={previous.get(key)!r}, not "
+                                f"{config[key]!r}; use --fresh to start it over, or another --name.")
+        print(f"resuming run {directory.name!r} from {directory}", file=sys.stderr)
+    if preflight:
+        return
+    drop_torn_history_line(directory / "history.jsonl")
+    directory.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def lock(art_dir: str, project: str, name: str):
+    """An exclusive lock on the run's name (a file in `art_dir`: --fresh deletes the run's folder), held until
+    the returned file is closed; a DataError if another process holds it: two processes training one run
+    would write the same checkpoints and prune each other's."""
+    import fcntl
+
+    path = Path(art_dir) / f".{project}.{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = open(path, "a+")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.seek(0)
+        holder = held.read().strip() or "another process"
+        held.close()
+        raise DataError(f"run {name!r} is being trained by {holder}; wait for it, stop it, or use another --name")
+    held.seek(0)
+    held.truncate()
+    held.write(f"process {os.getpid()}")
+    held.flush()
+    return held
+
+
+# What `train` keeps in state.json, and the type each must have.
+STATE_FIELDS = {"sft_start_step": int, "sft_steps": int, "sft_done": bool}
+
+
+def read_state(directory: Path) -> dict:
+    """The run's saved progress (empty for a new run); a damaged state.json is a DataError, read before any
+    model is loaded."""
+    path = directory / "state.json"
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        problem = "not an object" if not isinstance(state, dict) else next(
+            (f"{key} is {state[key]!r}, not a{'n' if kind is int else ''} {kind.__name__}"
+             for key, kind in STATE_FIELDS.items()
+             if key in state and (type(state[key]) is not kind or kind is int and state[key] < 0)), None)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problem = str(exc)
+    if problem:
+        raise DataError(f"{path} is damaged ({problem}); start run {directory.name!r} over with --fresh, or train "
+                        f"under another --name")
+    return state
+
+
+async def check_state(directory: Path, state: dict, model) -> dict:
+    """`state` checked against the run's checkpoints (`model`: the registered art.TrainableModel): one that
+    says the warm start ended after the latest checkpoint (checkpoints deleted) lets the warm start resume."""
+    step = await model.get_step()
+    history = directory / "history.jsonl"
+    warm_started = history.is_file() and 'sft_epoch"' in history.read_text(errors="replace")  # logged as train/sft_epoch
+    if step and warm_started and not state:
+        raise DataError(f"run {directory.name!r} has checkpoints up to step {step} but no state.json, so where its "
+                        f"warm start ended is unknown; restore that file, or start over with --fresh")
+    if state.get("sft_done") and step < state.get("sft_steps", 0):
+        print(f"note: run {directory.name!r}'s checkpoints end at step {step}, before its warm start ended (step "
+              f"{state['sft_steps']}): the warm start resumes from step {step}", file=sys.stderr)
+        state = model.merge_state({"sft_done": False, "sft_start_step": min(state.get("sft_start_step", 0), step)})
+    return state
+
+
+def drop_torn_history_line(history: Path) -> None:
+    """Cut a last line that a killed run left half-written: ART appends the next step's line to it otherwise."""
+    if not history.is_file() or history.stat().st_size == 0:
+        return
+    text = history.read_bytes()
+    if not text.endswith(b"\n"):
+        history.write_bytes(text[:text.rfind(b"\n") + 1])
+        print(f"note: dropped a half-written last line of {history}", file=sys.stderr)
