@@ -428,9 +428,10 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         batches = make_batches(conn, summary.inboxes, cfg.batch_size, cfg.seed)
         if not batches:
             raise DataError(f"No emails with a body in the inbox of {', '.join(summary.inboxes)}.")
-        check_key(cfg)
         stored = [] if cfg.replace else stored_questions(conn)
         cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
+        if any(batch.key(cfg) not in cache.replies for batch in batches):  # a rerun read from the cache needs none
+            check_key(cfg)
         accepted = asyncio.run(_run(batches, conn, cfg, cache, stored, summary, progress))
         if cfg.max_questions:
             summary.beyond_limit = max(0, len(accepted) - cfg.max_questions)

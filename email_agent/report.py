@@ -190,12 +190,26 @@ def summarize(records: list[dict]) -> dict:
 
 
 RESULT_KEYS = ("model", "question_id", "question", "gold_answer", "gold_message_ids", "inbox", "query_date",
-               "messages", "metrics", "reward")
+               "answer", "sources", "messages", "metrics", "reward")
+# The type each key's value must have for the readers (report, --rejudge, --sft-from) to use it.
+RESULT_TYPES = {"model": str, "question_id": (str, int), "question": str, "gold_answer": str, "gold_message_ids": list,
+                "inbox": str, "query_date": str, "answer": (str, type(None)), "sources": list, "messages": list,
+                "metrics": dict, "reward": (int, float), "withheld": (dict, type(None))}
+
+
+def _well_typed(record: dict, keys: tuple[str, ...]) -> bool:
+    withheld = record.get("withheld")
+    return (all(key in record and isinstance(record[key], RESULT_TYPES[key]) for key in keys)
+            and (withheld is None or isinstance(withheld, dict) and isinstance(withheld.get("answer"), str)
+                 and isinstance(withheld.get("sources"), list))
+            and all(isinstance(v, (int, float)) for v in (record.get("metrics") or {}).values())
+            and all(isinstance(m, dict) for m in record.get("messages") or []))
 
 
 def read_results(path, keys: tuple[str, ...] = RESULT_KEYS) -> tuple[list[dict], int]:
     """(records, unreadable lines) of an evaluation's results.jsonl: a line cut off by a killed evaluation or a
-    full disk, or a record without the `keys` its reader needs, is counted, not fatal."""
+    full disk, or a record without the `keys` its reader needs (or with a value of another type), is counted,
+    not fatal."""
     records, unreadable = [], 0
     for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
@@ -204,7 +218,7 @@ def read_results(path, keys: tuple[str, ...] = RESULT_KEYS) -> tuple[list[dict],
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if isinstance(record, dict) and all(key in record for key in keys):
+        if isinstance(record, dict) and _well_typed(record, keys):
             records.append(record)
         else:
             unreadable += 1

@@ -72,7 +72,12 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     torn = tmp_path / "torn"
     torn.mkdir()
     text = (tmp_path / "first" / "results.jsonl").read_text()
-    (torn / "results.jsonl").write_text(text + text[:40] + "\n" + '{"model": "x"}\n')  # and a record of nothing
+    record = json.loads(text)
+    mistyped = [{**record, "metrics": "s"}, {**record, "metrics": {**record["metrics"], "num_turns": "3"}},
+                {**record, "sources": "<a@b>"}, {**record, "reward": None}, {**record, "withheld": {"answer": 1}},
+                {**record, "messages": ["hi"]}, [record]]
+    (torn / "results.jsonl").write_text(text + text[:40] + "\n" + '{"model": "x"}\n'  # and a record of nothing
+                                        + "".join(json.dumps(r) + "\n" for r in mistyped))  # and of the wrong types
     assert run_cli("--rejudge", torn, "--output", tmp_path / "third") == 0
     assert len((tmp_path / "third" / "results.jsonl").read_text().splitlines()) == 1
 

@@ -277,6 +277,11 @@ def test_a_provider_key_missing_from_the_environment_stops_before_any_request(db
     with pytest.raises(DataError, match="^openai/gpt-4.1 needs OPENAI_API_KEY in the environment"):
         generate.generate_questions(db_path, cfg, progress=False)
     assert stored(db_path) == []
+    # a rerun whose every reply is cached asks nothing, so it needs no key
+    with serve_in_thread({"gpt-4.1": good_and_bad}) as server:
+        first = generate.generate_questions(db_path, config(server.base_url, model="openai/gpt-4.1"), progress=False)
+    again = generate.generate_questions(db_path, config(None, model="openai/gpt-4.1"), progress=False)
+    assert sum(first.added.values()) == 6 and again.cached == again.batches > 0 and not again.added
 
 
 def test_databases_built_before_the_model_columns_still_work(db_path):
