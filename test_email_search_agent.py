@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
-from email_agent import cli, evaluation, report, rewards, runs
+from email_agent import cli, evaluation, report, rewards, runs, summary
 from email_agent.backends import ART_DIR, CPU_BASE_MODEL, PROJECT
 from email_agent.data import DataError, EmailDB
 from email_agent.episode import EpisodeShape
@@ -49,7 +49,7 @@ async def evaluate(args) -> int:
         results = Path(args.rejudge) / "results.jsonl"
         if not results.is_file():
             raise DataError(f"--rejudge {args.rejudge}: no results.jsonl there (an output folder of this command).")
-        stored, torn = report.read_results(results)
+        stored, torn = summary.read_results(results)
         if torn:
             print(f"note: {torn} unreadable line(s) in {results} skipped", file=sys.stderr)
         if not stored:
@@ -94,7 +94,7 @@ async def evaluate(args) -> int:
             raise DataError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
         for contestant in contestants:
             await evaluation.probe(contestant)
-        histories = {c.label: report.load_history(c.history, c.step) for c in contestants
+        histories = {c.label: summary.load_history(c.history, c.step) for c in contestants
                      if c.history and c.history.exists()}
         for c in contestants:
             print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
@@ -148,21 +148,21 @@ def finish(out: Path, records: list[dict], histories: dict, labels: list[str] = 
     """Write the report and print the summary; non-zero if a model failed every one of its rollouts."""
     order = {label: i for i, label in enumerate(labels)}
     records.sort(key=lambda r: (order.get(r["model"], 0), id_sort_key(r["question_id"])))
-    summary = report.summarize(records)
-    paths = report.write_report(out, records, summary, histories=histories or None)
-    for label, s in summary["models"].items():
+    figures = summary.summarize(records)
+    paths = report.write_report(out, records, figures, histories=histories or None)
+    for label, s in figures["models"].items():
         shape = s.get("episode") or {}
         print(f"{label:>32}  accuracy {fmt(s['accuracy'])}  hallucination {fmt(s['hallucination_rate'])}  "
               f"turns {fmt(s['avg_turns'], '.1f')}  n={s['n']}  errors {s['n_errors']}  "
               f"tool_choice {s.get('tool_choice') or 'n/a'}  shape {shape.get('max_turns', '?')} turns/"
               f"{shape.get('max_tokens', '?')} tokens")
-    for pair in summary["pairs"]:
+    for pair in figures["pairs"]:
         leader = pair["a"] if pair["only_a"] >= pair["only_b"] else pair["b"]
         verdict = f"{leader} is better" if pair["p_value"] < 0.05 else "no significant difference"
         print(f"{pair['a']} vs {pair['b']}: {pair['only_a']} vs {pair['only_b']} questions only one got right, "
               f"McNemar p={pair['p_value']:.3g}: {verdict}")
     print(f"report: {paths['html']}")
-    failed = [label for label, s in summary["models"].items() if s["n"] and s["n_errors"] == s["n"]]
+    failed = [label for label, s in figures["models"].items() if s["n"] and s["n_errors"] == s["n"]]
     for label in failed:
         first = next(r["error"] for r in records if r["model"] == label)
         print(f"Error: every rollout of {label} failed; the first: {first}", file=sys.stderr)

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.report import OUTCOMES, mcnemar_exact  # noqa: E402
+from email_agent.summary import OUTCOMES, mcnemar_exact  # noqa: E402
 
 
 def run(label: str, *args: str) -> float:

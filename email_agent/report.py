@@ -1,26 +1,20 @@
-"""Evaluation reporting: aggregate per-(question, model) result records and render them.
+"""The evaluation's report: `write_report` writes the figures of `summary` as summary.json, report.md and one
+self-contained report.html (inline CSS, SVG and JS only, so it opens offline from disk): the comparison
+table, charts, outcomes, paired tests, the learning curve of each trained run (rows of `summary.load_history`) and every episode's trace.
 
-This module owns the numbers and the presentation of an evaluation run:
-``summarize`` turns result records into per-model statistics, ``load_history``
-reads ART training histories for learning curves, and ``write_report`` writes
-``summary.json``, ``report.md`` and one self-contained ``report.html`` (inline
-CSS, SVG and JS only, so it opens offline from disk).
-
-Everything rendered is untrusted (email bodies, model output), so every string
-goes through ``_esc``, which scrubs API-key-like tokens and HTML-escapes.
+Everything rendered is untrusted (email bodies, model output), so every string goes through ``_esc``, which
+scrubs API-key-like tokens and HTML-escapes.
 """
 from __future__ import annotations
 
 import html
 import json
-import math
 import re
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
 from .redact import redact
-from .rewards import valid_tool_call_rate
+from .summary import OUTCOMES, is_number, question_key, warm_start_steps
 
 VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "val/hallucinated", "val/num_turns"]
 # The learning curve: the training reward (the rollouts GRPO learned from) beside the greedy validation metrics.
@@ -28,216 +22,6 @@ CURVE_METRICS = ["train/reward", *VAL_METRICS]
 TOOL_RESULT_LIMIT = 2000
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
 DASH = "—"
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% (by default) Wilson score interval for a binomial proportion.
-
-    n == 0 returns (0.0, 0.0): there is no data, and a fixed tuple keeps the
-    return type simple; ``summarize`` reports accuracy/CI as None in that case.
-    """
-    if n <= 0:
-        return (0.0, 0.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / denom
-    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (max(0.0, center - half), min(1.0, center + half))
-
-
-def mcnemar_exact(only_a: int, only_b: int) -> float:
-    """Two-sided exact McNemar p-value for paired correctness: `only_a` questions that model A got right and
-    B wrong, `only_b` the reverse (questions both got right or both wrong carry no information).
-
-    Under "no difference" each discordant question is a fair coin, so the count is Binomial(n, 1/2).
-    """
-    n = only_a + only_b
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * q
-    lo = math.floor(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
-def _metric(records: list[dict], key: str) -> list[float]:
-    # Missing / None metric values are absent, not zero.
-    values = []
-    for r in records:
-        v = (r.get("metrics") or {}).get(key)
-        if v is not None:
-            values.append(float(v))
-    return values
-
-
-def _correct(r: dict) -> bool:
-    return not r.get("error") and bool((r.get("metrics") or {}).get("answer_correct"))
-
-
-# Where each episode ended, by how close the agent came to the gold email: "wrong after reading it" is a
-# reading failure (the answer was in front of the agent), "never listed" a search failure.
-OUTCOMES = {
-    "right": "Right",
-    "wrong_read": "Wrong, gold email read",
-    "wrong_listed": "Wrong, gold email listed, not read",
-    "wrong_unseen": "Wrong, gold email never listed",
-    "withheld": "Withheld by the grounding check",
-    "idk_seen": "\"I don't know\", gold email listed or read",
-    "idk_unseen": "\"I don't know\", gold email never listed",
-    "no_answer": "No answer (out of turns or error)",
-}
-
-
-def episode_outcome(r: dict) -> str:
-    """The OUTCOMES key of one result record."""
-    m = r.get("metrics") or {}
-    seen = "read" if m.get("ever_read_right_email") else "listed" if m.get("ever_found_right_email") else "unseen"
-    if _correct(r):
-        return "right"
-    if r.get("error") or not (m.get("attempted_answer") or m.get("returned_i_dont_know")):
-        return "no_answer"
-    if m.get("withheld_answer"):
-        return "withheld"
-    if m.get("attempted_answer"):
-        return f"wrong_{seen}"
-    return "idk_unseen" if seen == "unseen" else "idk_seen"
-
-
-def _summarize_model(records: list[dict]) -> dict:
-    # Accuracy counts an errored rollout (the model's API failed) as a wrong answer: a model that times out
-    # on the hard questions must not look better for it. The scored-only accuracy stands beside it. Every
-    # other mean, cost included, is over the scored rollouts.
-    scored = [r for r in records if not r.get("error")]
-    right = sum(map(_correct, records))
-    latency = _metric(scored, "latency_s")
-    costs = [r.get("cost_usd") for r in scored]
-    known_cost = bool(scored) and all(c is not None for c in costs)
-    first = records[0] if records else {}
-    outcomes = Counter(map(episode_outcome, records))
-    return {
-        "n": len(records),
-        "n_errors": len(records) - len(scored),
-        "n_scored": len(scored),
-        "accuracy": right / len(records) if records else None,
-        "accuracy_ci": list(wilson_interval(right, len(records))) if records else None,
-        "accuracy_scored": right / len(scored) if scored else None,
-        "tool_choice": first.get("tool_choice"),
-        "episode": first.get("episode"),
-        "backend": first.get("backend"),
-        "concurrency": first.get("concurrency"),
-        "sources_correct": _mean(_metric(scored, "sources_correct")),
-        "hallucination_rate": _mean(_metric(scored, "hallucinated")),
-        "idk_rate": _mean(_metric(scored, "returned_i_dont_know")),
-        "valid_tool_call_rate": valid_tool_call_rate(r.get("metrics") or {} for r in scored),
-        "avg_turns": _mean(_metric(scored, "num_turns")),
-        "ran_out_of_turns_rate": _mean(_metric(scored, "ran_out_of_turns")),
-        "latency_p50_s": _percentile(latency, 0.50),
-        "latency_p95_s": _percentile(latency, 0.95),
-        "mean_prompt_tokens": _mean(_metric(scored, "prompt_tokens")),
-        "mean_completion_tokens": _mean(_metric(scored, "completion_tokens")),
-        "mean_reward": _mean([float(r["reward"]) for r in scored if r.get("reward") is not None]),
-        "cost_per_1k_usd": 1000 * sum(costs) / len(costs) if known_cost else None,
-        "judge_errors": sum(1 for r in records if (r.get("verdict") or {}).get("error")),
-        "outcomes": {key: outcomes[key] for key in OUTCOMES},
-        "grounded_answers": any(r.get("grounded_answers") for r in records),
-        "withheld_right": sum(int((r.get("metrics") or {}).get("withheld_right", 0)) for r in scored),
-    }
-
-
-def _question_key(r: dict):
-    return r.get("question_id", r.get("question"))
-
-
-def paired_comparisons(by_model: dict[str, list[dict]]) -> list[dict]:
-    """For every pair of models, the exact McNemar test on the questions both played (errors count as wrong)."""
-    correct = {label: {_question_key(r): _correct(r) for r in rs} for label, rs in by_model.items()}
-    labels, pairs = list(by_model), []
-    for i, a in enumerate(labels):
-        for b in labels[i + 1:]:
-            shared = correct[a].keys() & correct[b].keys()
-            only_a = sum(correct[a][q] and not correct[b][q] for q in shared)
-            only_b = sum(correct[b][q] and not correct[a][q] for q in shared)
-            pairs.append({"a": a, "b": b, "n": len(shared), "only_a": only_a, "only_b": only_b,
-                          "p_value": mcnemar_exact(only_a, only_b)})
-    return pairs
-
-
-def summarize(records: list[dict]) -> dict:
-    """Per-model statistics (models in order of first appearance; see ``_summarize_model`` for the keys) and
-    a paired test for every pair of models (``paired_comparisons``)."""
-    by_model: dict[str, list[dict]] = {}
-    for r in records:
-        by_model.setdefault(str(r.get("model", "?")), []).append(r)
-    return {
-        "models": {label: _summarize_model(rs) for label, rs in by_model.items()},
-        "pairs": paired_comparisons(by_model),
-        "n_questions": len({_question_key(r) for r in records}),
-        "n_records": len(records),
-    }
-
-
-RESULT_KEYS = ("model", "question_id", "question", "gold_answer", "gold_message_ids", "inbox", "query_date",
-               "answer", "sources", "messages", "metrics", "reward")
-# The type each key's value must have for the readers (report, --rejudge, --sft-from) to use it.
-RESULT_TYPES = {"model": str, "question_id": (str, int), "question": str, "gold_answer": str, "gold_message_ids": list,
-                "inbox": str, "query_date": str, "answer": (str, type(None)), "sources": list, "messages": list,
-                "metrics": dict, "reward": (int, float), "withheld": (dict, type(None))}
-
-
-def _well_typed(record: dict, keys: tuple[str, ...]) -> bool:
-    withheld = record.get("withheld")
-    return (all(key in record and isinstance(record[key], RESULT_TYPES[key]) for key in keys)
-            and (withheld is None or isinstance(withheld, dict) and isinstance(withheld.get("answer"), str)
-                 and isinstance(withheld.get("sources"), list))
-            and all(isinstance(v, (int, float)) for v in (record.get("metrics") or {}).values())
-            and all(isinstance(m, dict) for m in record.get("messages") or []))
-
-
-def read_results(path, keys: tuple[str, ...] = RESULT_KEYS) -> tuple[list[dict], int]:
-    """(records, unreadable lines) of an evaluation's results.jsonl: a line cut off by a killed evaluation or a
-    full disk, or a record without the `keys` its reader needs (or with a value of another type), is counted,
-    not fatal."""
-    records, unreadable = [], 0
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        if isinstance(record, dict) and _well_typed(record, keys):
-            records.append(record)
-        else:
-            unreadable += 1
-    return records, unreadable
-
-
-def load_history(path, until_step: int | None = None) -> list[dict]:
-    """Rows of an ART history.jsonl, up to `until_step` (the evaluated checkpoint) if given; blank, corrupt or
-    non-object lines are skipped."""
-    rows = []
-    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue  # a run killed mid-write leaves a truncated last line
-        if isinstance(row, dict) and not (until_step is not None and _is_number(row.get("step"))
-                                          and row["step"] > until_step):
-            rows.append(row)
-    return rows
 
 
 # ---------------------------------------------------------------- formatting
@@ -252,10 +36,6 @@ def _pct(v) -> str:
 
 def _num(v, fmt: str = "{:.2f}") -> str:
     return DASH if v is None else fmt.format(v)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
@@ -336,25 +116,12 @@ def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [line(header), "|" + "---|" * len(header)] + [line(r) for r in rows]
 
 
-def warm_start_steps(rows: list[dict]) -> set[int]:
-    """Steps produced by the supervised warm start: marked `train/sft_epoch` by the trainer, or (older runs)
-    a training row without a reward (ART's train_sft logs a loss; GRPO steps always log train/reward)."""
-    steps = set()
-    for r in rows:
-        if not _is_number(r.get("step")):
-            continue
-        train_keys = [k for k in r if k.startswith("train/")]
-        if "train/sft_epoch" in r or (train_keys and "train/reward" not in r):
-            steps.add(int(r["step"]))
-    return steps
-
-
 def _curve_by_step(rows: list[dict]) -> dict[int, dict]:
     """One row per step: ART logs a step's training metrics and its validation in separate lines."""
     merged: dict[int, dict] = {}
     for r in rows:
-        if _is_number(r.get("step")):
-            merged.setdefault(int(r["step"]), {}).update({m: r[m] for m in CURVE_METRICS if _is_number(r.get(m))})
+        if is_number(r.get("step")):
+            merged.setdefault(int(r["step"]), {}).update({m: r[m] for m in CURVE_METRICS if is_number(r.get(m))})
     return merged
 
 
@@ -540,7 +307,7 @@ def _question_html(rs: list[dict]) -> str:
                       for r in rs)
     facts = (f"<p><b>Gold answer:</b> {_esc(q.get('gold_answer'))}</p><p class=\"meta\">inbox {_esc(q.get('inbox'))} · "
              f"date {_esc(q.get('query_date'))} · gold messages {_esc(', '.join(map(str, q.get('gold_message_ids') or [])))}</p>")
-    return (f'<details class="question" data-haswrong="{int(has_wrong)}"><summary>#{_esc(_question_key(q))} '
+    return (f'<details class="question" data-haswrong="{int(has_wrong)}"><summary>#{_esc(question_key(q))} '
             f'{_esc(q.get("question"))} {badges}</summary>' + facts + "".join(_attempt_html(r) for r in rs) + "</details>")
 
 
@@ -608,13 +375,13 @@ def _html(title, records, summary, histories) -> str:
         shade = (float(warm[0] - 1 if warm[0] > 0 else 0), float(warm[-1])) if warm else None
         for metric in CURVE_METRICS:
             series = [(label, sorted((float(r["step"]), float(r[metric])) for r in rows
-                                     if _is_number(r.get("step")) and _is_number(r.get(metric))))
+                                     if is_number(r.get("step")) and is_number(r.get(metric))))
                       for label, rows in histories.items()]
             parts.append(_line_chart(metric, [s for s in series if s[1]], shade))
         parts.append("</div>")
     grouped: dict = {}
     for r in records:
-        grouped.setdefault(_question_key(r), []).append(r)
+        grouped.setdefault(question_key(r), []).append(r)
     parts += ["<h2>Per-question traces</h2>",
               '<div id="controls" hidden><input id="flt" placeholder="Filter by text…"> '
               '<label><input type="checkbox" id="onlywrong"> only questions with a non-correct attempt</label></div>',

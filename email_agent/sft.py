@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletion
 
 from .data import DataError, EmailDB
 from .questions import Question, withheld
-from .report import read_results
+from .summary import read_results
 from .rollout import RolloutConfig, rollout
 from .tools import TOOLS
 

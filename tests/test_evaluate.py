@@ -426,7 +426,8 @@ def test_a_cpu_checkpoint_emptied_by_hand_names_the_others(demo_db_path, tmp_pat
 
 
 def test_a_damaged_run_config_is_one_error_and_does_not_hide_the_other_runs(tmp_path, caplog):
-    good, bad = make_gpu_run(tmp_path / "art", name="good"), make_gpu_run(tmp_path / "art", name="bad")
+    make_gpu_run(tmp_path / "art", name="good")
+    bad = make_gpu_run(tmp_path / "art", name="bad")
     for content in (b"{not json", b"[1]", b"\xff\xfe"):
         (bad / "run_config.json").write_bytes(content)
         with pytest.raises(DataError, match="run_config.json is damaged"):

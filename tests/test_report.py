@@ -5,7 +5,8 @@ import re
 import pytest
 
 from email_agent.redact import redact
-from email_agent.report import load_history, summarize, wilson_interval, write_report
+from email_agent.report import write_report
+from email_agent.summary import load_history, summarize, wilson_interval
 
 
 def _rec(model, qid, *, correct=1, halluc=0, idk=0, latency=1.0, valid=1, calls=1, cost=0.001, error=None,
@@ -126,7 +127,7 @@ def test_valid_tool_call_rate_counts_turns_without_a_call():
 
 
 def test_paired_mcnemar_for_every_pair_in_summary_and_reports(tmp_path):
-    from email_agent.report import mcnemar_exact
+    from email_agent.summary import mcnemar_exact
 
     # A right on 1-8, B right on 1-2; C errors everywhere (counted wrong). Question 9 only A and B played.
     records = [_rec("A", q, correct=int(q <= 8)) for q in range(1, 11)]
@@ -240,7 +241,7 @@ def test_learning_curve_marks_the_warm_start_and_merges_a_steps_rows(tmp_path, r
             {"step": 3, "train/reward": 0.2, "train/loss": 0.01},
             {"step": 4, "train/reward": 0.3, "train/loss": 0.02}, {"step": 4, "val/reward": 0.3, "val/answer_correct": 0.5},
             {"step": 5, "train/loss": 0.9}]  # an older run's SFT row (no marker) still counts as warm start
-    from email_agent.report import warm_start_steps
+    from email_agent.summary import warm_start_steps
 
     assert warm_start_steps(rows) == {1, 2, 5}
     paths = write_report(tmp_path, records, summarize(records), histories={"learn": rows[:-1]})
@@ -254,7 +255,7 @@ def test_learning_curve_marks_the_warm_start_and_merges_a_steps_rows(tmp_path, r
 
 
 def test_mcnemar_exact_matches_the_binomial():
-    from email_agent.report import mcnemar_exact
+    from email_agent.summary import mcnemar_exact
 
     assert mcnemar_exact(0, 0) == 1.0
     assert mcnemar_exact(5, 5) == 1.0
