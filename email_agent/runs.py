@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .backends import ART_DIR, PROJECT, run_path
@@ -39,11 +39,12 @@ class Run:
         config_path = path / "run_config.json"
         try:
             config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+            problem = config_problem(config)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            config = exc
-        if not isinstance(config, dict):
-            raise DataError(f"{config_path} is damaged ({config if isinstance(config, Exception) else 'not an object'}):"
-                            f" it records how the run was trained; restore it, or train the run again with --fresh.")
+            problem = str(exc)
+        if problem:
+            raise DataError(f"{config_path} is damaged ({problem}): it records how the run was trained; restore it, "
+                            f"or train the run again with --fresh.")
         return cls(path, config)
 
     @property
@@ -93,6 +94,26 @@ class Run:
     def last_active(self) -> float:
         candidates = [self.path / "run_config.json", self.path / "history.jsonl", self.path / "checkpoints"]
         return max((p.stat().st_mtime for p in candidates if p.exists()), default=0.0)
+
+
+# What evaluation and `ask` read of run_config.json, and the type each must have (a hand edit can break it).
+CONFIG_TYPES = {"base_model": str, "backend": str, "db": str, "lora_rank": int, "lora_alpha": int}
+
+
+def config_problem(config) -> str | None:
+    """What is wrong with a run_config.json's content, or None."""
+    if not isinstance(config, dict):
+        return "not an object"
+    episode = config.get("episode") or {}
+    if not isinstance(episode, dict):
+        return f"episode is {episode!r}, not an object"
+    for key, value in [*((k, config[k]) for k in CONFIG_TYPES if config.get(k) is not None),
+                       *((f"episode.{f.name}", episode[f.name]) for f in fields(EpisodeShape) if f.name in episode),
+                       *((f.name, config[f.name]) for f in fields(EpisodeShape) if config.get(f.name) is not None)]:
+        kind = CONFIG_TYPES.get(key, int)
+        if type(value) is not kind or kind is int and value < 1:
+            return f"{key} is {value!r}, not a{' positive' if kind is int else ''} {kind.__name__}"
+    return None
 
 
 def is_step(text: str) -> bool:

@@ -428,7 +428,10 @@ def test_a_cpu_checkpoint_emptied_by_hand_names_the_others(demo_db_path, tmp_pat
 def test_a_damaged_run_config_is_one_error_and_does_not_hide_the_other_runs(tmp_path, caplog):
     make_gpu_run(tmp_path / "art", name="good")
     bad = make_gpu_run(tmp_path / "art", name="bad")
-    for content in (b"{not json", b"[1]", b"\xff\xfe"):
+    config = json.loads((bad / "run_config.json").read_text())
+    mistyped = [{**config, "base_model": 7}, {**config, "episode": [4]}, {**config, "episode": {"max_turns": "4"}},
+                {**config, "episode": None, "max_tokens": 0}, {**config, "lora_rank": 8.5}]
+    for content in (b"{not json", b"[1]", b"\xff\xfe", *(json.dumps(c).encode() for c in mistyped)):
         (bad / "run_config.json").write_bytes(content)
         with pytest.raises(DataError, match="run_config.json is damaged"):
             runs.Run.load(bad)
