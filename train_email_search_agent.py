@@ -378,7 +378,7 @@ async def train(cfg: TrainConfig) -> None:
         state = await runs.check_state(run_dir(cfg), state, model)
         after_each = None
         if reward_mode == "ruler":
-            params = judge.litellm_params() if judge else None  # the judge's endpoint and key (JUDGE_API_*)
+            params = rewards.ruler_params(judge, cfg.judge_base_url)  # the judge's endpoint and key (JUDGE_API_*)
             after_each = lambda group: rewards.ruler_group(group, ruler_model, params)  # noqa: E731
 
         def gather(questions, step):

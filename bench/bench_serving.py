@@ -10,8 +10,9 @@ shared start: only what an episode added since its last turn is prefilled.
 Each configuration runs in the same process, one after the other, on the same episodes; the first one is
 the reference for greedy agreement (identical token ids per request), which exact levers must keep at 100%.
 
-    python train_email_search_agent.py build-db --demo --db /tmp/cpu-demo.db
-    .venv/bin/python bench/bench_serving.py --db /tmp/cpu-demo.db [--checkpoint DIR] [--rounds 2]
+    .venv/bin/python bench/bench_serving.py [--db data/demo.db] [--checkpoint DIR] [--rounds 2]
+
+(--db is built as the demo inbox first if it does not exist.)
 
 With --agent CHECKPOINT the work is instead the evaluation's own: the checkpoint plays --questions held-out
 test questions through the real rollout code (greedy, 8 at once, the demo preset's episode shape: 4 turns,
@@ -154,7 +155,7 @@ async def run(configuration, checkpoint: str | None, questions, scripts, agent: 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--db", default="data/demo.db", help="a demo database (build-db --demo)")
+    parser.add_argument("--db", default="data/demo.db", help="a demo database (built as the demo inbox if missing)")
     parser.add_argument("--checkpoint", help="a LoRA checkpoint directory to serve (default: the base model)")
     parser.add_argument("--agent", metavar="CHECKPOINT", help="play real evaluation episodes of this LoRA "
                                                              "checkpoint directory instead of scripted ones")
@@ -166,7 +167,11 @@ def parse_args() -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> None:
+    if not Path(args.db).exists():  # the demo inbox is made, not downloaded: build it as `train --demo` does
+        from email_agent import build
 
+        emails, question_rows, source, total = build.open_sources(demo=True, emails=None, questions=None)
+        build.build_database(emails, question_rows, args.db, source=source, total=total, progress=False)
     db = EmailDB(args.db)
     questions = select_questions(db, "test", seed=0, limit=args.questions) if args.agent else \
         select_questions(db, "test", seed=0, limit=EPISODES)

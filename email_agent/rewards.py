@@ -212,10 +212,7 @@ class LLMJudge:
                     continue  # a torn last line from an interrupted run
 
     def litellm_params(self) -> dict:
-        # A local OpenAI-compatible judge often needs no key, but the client refuses to send none.
-        api_key = self.api_key or ("none" if self.api_base else None)
-        params = {"api_base": self.api_base, "api_key": api_key, "timeout": self.timeout}
-        return {k: v for k, v in params.items() if v is not None}
+        return endpoint_params(self.api_base, self.api_key, self.timeout)
 
     async def verdict(self, question: str, gold: str, answer: str) -> Verdict:
         if is_i_dont_know(answer):
@@ -298,6 +295,21 @@ def parse_judge_reply(text: str, judge: str) -> Verdict:
     if not isinstance(reply.get("accept"), bool):
         raise ValueError(f"judge reply has no boolean 'accept': {text[:80]!r}")
     return Verdict(reply["accept"], judge, str(reply.get("reasoning", ""))[:500])
+
+
+def endpoint_params(api_base: str | None, api_key: str | None, timeout: float | None = None) -> dict:
+    """litellm's arguments for a judge endpoint. A local OpenAI-compatible judge often needs no key, but the
+    client refuses to send none."""
+    params = {"api_base": api_base, "api_key": api_key or ("none" if api_base else None), "timeout": timeout}
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def ruler_params(judge: LLMJudge | None, judge_base_url: str | None) -> dict:
+    """Where RULER's requests go: the judge's endpoint, else --judge-base-url / JUDGE_API_BASE (RULER needs
+    no --judge-model of its own, only --ruler-model)."""
+    if judge:
+        return judge.litellm_params()
+    return endpoint_params(judge_base_url or os.environ.get("JUDGE_API_BASE"), os.environ.get("JUDGE_API_KEY"))
 
 
 def configure(mode: str | None, judge_model: str | None, judge_base_url: str | None,

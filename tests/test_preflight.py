@@ -158,6 +158,7 @@ def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides)
         cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0, train_limit=4,
                               groups_per_step=2, rollouts_per_group=2, eval_every=100, **overrides)
         asyncio.run(cli.train(cfg))
+        made["requests"] = list(server.requests)
     return made
 
 

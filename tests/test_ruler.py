@@ -114,8 +114,10 @@ def test_loop_shows_ruler_errors(demo_db, demo_db_path, tmp_path, monkeypatch, c
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
     scripts = {q.question: expert_script(q) for q in train_qs}
     scripts["judge"] = {"*": [{"text": json.dumps({"scores": []})}]}
-    run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, max_steps=1, reward="ruler",
-             ruler_model="openai/judge", judge_base_url=lambda url: url)
+    made = run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, max_steps=1, reward="ruler",
+                    ruler_model="openai/judge", judge_base_url=lambda url: url)
+    # RULER asked --judge-base-url's server (no --judge-model given): twice per group, one retry each
+    assert [r["model"] for r in made["requests"]].count("judge") == 4
     out = capsys.readouterr().out
     assert "RULER 2 of 2 groups" in out and "RULER errors 2" in out and "LEARNED NOTHING" in out
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
