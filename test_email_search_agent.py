@@ -54,6 +54,13 @@ async def evaluate(args) -> int:
             print(f"note: {torn} unreadable line(s) in {results} skipped", file=sys.stderr)
         if not stored:
             raise DataError(f"--rejudge {args.rejudge}: results.jsonl holds no results to re-score.")
+        unique = {}
+        for record in stored:  # two files joined by hand would count each question twice
+            unique.setdefault((record["model"], str(record["question_id"])), record)
+        if len(unique) < len(stored):
+            print(f"note: {len(stored) - len(unique)} repeated answer(s) (same model and question) in {results} "
+                  f"skipped", file=sys.stderr)
+            stored = list(unique.values())
         if any(bool(r.get("grounded_answers")) != args.grounded_answers for r in stored):
             print(f"note: re-scoring {'with' if args.grounded_answers else 'without'} the grounding check "
                   f"(--grounded-answers), unlike the evaluation in {args.rejudge}", file=sys.stderr)
@@ -236,17 +243,25 @@ def check_output(out: Path) -> None:
         raise DataError(f"--output {out}: cannot write in {existing}")
 
 
+OUTPUT_FILES = ("results.jsonl", "summary.json", "report.md", "report.html")  # what an evaluation writes
+
+
 def keep_previous(out: Path) -> None:
-    """Create `out`; an evaluation already there moves aside to OUT-<its time> rather than being overwritten
-    (its results.jsonl is what --rejudge needs)."""
+    """Create `out`; an evaluation already there moves aside to OUT-<its time>/ rather than being overwritten
+    (its results.jsonl is what --rejudge needs). Only the evaluation's own files move: whatever else the
+    folder holds stays where it is."""
     if (out / "results.jsonl").exists():
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((out / "results.jsonl").stat().st_mtime))
-        kept = out.with_name(f"{out.name}-{stamp}")
+        where = out.resolve()
+        kept = where.parent / f"{where.name or 'eval'}-{stamp}"
         n = 1
         while kept.exists():
             n += 1
-            kept = out.with_name(f"{out.name}-{stamp}-{n}")
-        out.rename(kept)
+            kept = where.parent / f"{where.name or 'eval'}-{stamp}-{n}"
+        kept.mkdir()
+        for file in OUTPUT_FILES:
+            if (out / file).exists():
+                (out / file).rename(kept / file)
         print(f"note: the previous evaluation in {out} is now in {kept}", file=sys.stderr)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -255,13 +270,23 @@ def keep_previous(out: Path) -> None:
 
 
 def check_args(args) -> None:
-    """Numbers that would otherwise slice silently (--limit -5: all but 5) or hang (--concurrency 0)."""
+    """Numbers that would otherwise slice silently (--limit -5: all but 5), hang (--concurrency 0) or fail every
+    request once the models are served (--temperature nan); flags --rejudge would ignore."""
+    if args.rejudge:
+        ignored = [flag for flag, given in (("--model", args.model), ("--limit", args.limit is not None),
+                                            ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo))
+                   if given]
+        if ignored:
+            raise DataError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
+                            f"{', '.join(ignored)} would change nothing")
     for flag in ("limit", "concurrency", "max_turns", "max_tokens", "max_body_chars", "search_results"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
     if not args.timeout > 0 or math.isinf(args.timeout):  # NaN fails the first test
         raise DataError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
+    if not 0 <= args.temperature <= 2:  # what OpenAI-compatible servers accept; NaN fails it too
+        raise DataError(f"--temperature must be between 0 and 2, not {args.temperature}")
     repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
     if repeated:
         raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
@@ -271,11 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cli.log_to_stderr()
     cli.stop_on_sigterm()
-    args.db = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     try:
+        cli.check_text_arguments(argv if argv is not None else sys.argv[1:])
         check_args(args)
         if not args.model and not args.rejudge:
             args.model = [str(runs.latest_run(args.art_dir).path)]
+        # the database the trained runs among the models were trained on, as `ask` does
+        args.db = args.db or (DEMO_DB if args.demo else runs.trained_db(args.model, args.art_dir) or DEFAULT_DB)
         return asyncio.run(evaluate(args))
     except DataError as exc:
         print(f"Error: {exc}", file=sys.stderr)
@@ -284,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the rollouts began (serving, probing) or during --rejudge
+        print("\ninterrupted: nothing written", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()

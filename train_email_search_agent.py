@@ -97,7 +97,7 @@ def search(args) -> None:
 
 def read(args) -> None:
     db = EmailDB(args.db)
-    if args.inbox:
+    if args.inbox is not None:
         db.require_inbox(args.inbox)
     email = db.read(args.message_id, inbox=args.inbox, visible_until=visible_until(args.as_of))
     if email is None:
@@ -233,7 +233,8 @@ def run_dir(cfg: TrainConfig) -> Path:
 def saved_config(cfg: TrainConfig, backend: str) -> dict:
     """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
     is served where it was trained and plays the episodes it learned on."""
-    return {**asdict(cfg), "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))}
+    return {**asdict(cfg), "db": str(Path(cfg.db).resolve()),  # found from any folder the run is evaluated in
+            "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))}
 
 
 def wandb_installed() -> bool:
@@ -660,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.log_to_stderr()
     cli.stop_on_sigterm()
     try:
+        cli.check_text_arguments(argv if argv is not None else sys.argv[1:])
         args.func(args)
     except DataError as exc:
         print(f"Error: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ from datetime import date
 from typing import Callable
 
 from . import evaluation, runs
-from .data import DataError, Email, EmailDB, day_after, visible_until
+from .data import DataError, Email, EmailDB, check_day, day_after
 from .questions import Question
 
 
@@ -24,8 +24,8 @@ def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Que
     if not text.strip():
         raise DataError("the question is empty.")
     db.require_inbox(inbox)
-    as_of = as_of or date.today().isoformat()
-    visible_until(as_of)  # a one-sentence error for a malformed date
+    # a malformed date (even '') is a one-sentence error; a timestamp counts as its day, as the prompt says
+    as_of = date.today().isoformat() if as_of is None else check_day("--as-of", as_of).strip()[:10]
     return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")
 
 
@@ -33,8 +33,7 @@ def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db
     """The --model to ask (the most recent run when none is given) and the database: --db, else the one the
     run was trained on, else the default."""
     spec = spec or str(runs.latest_run(art_dir).path)
-    run = runs.find_run(spec.partition("@")[0], art_dir)
-    return spec, EmailDB(db_path or (run.config.get("db") if run else None) or default_db)
+    return spec, EmailDB(db_path or runs.trained_db([spec], art_dir) or default_db)
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""What the two command-line scripts share: log lines on stderr (and no library warning noise), SIGTERM as Ctrl-C.
+"""What the two command-line scripts share: log lines on stderr (and no library warning noise), SIGTERM as Ctrl-C,
+arguments checked as text.
 
 Library modules only log (`logging.getLogger(__name__)`) and never touch signals; the scripts call these
-two functions first, so the library stays usable from a notebook or another program as it is.
+first, so the library stays usable from a notebook or another program as it is.
 """
 
 from __future__ import annotations
@@ -40,3 +41,16 @@ def stop_on_sigterm() -> None:
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def check_text_arguments(argv: list[str]) -> None:
+    """An argument that is not UTF-8 (typed in a Latin-1 terminal, say) is one error, not a traceback where it is
+    first written or sent (Python keeps such bytes as lone surrogates)."""
+    from .data import DataError
+
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise DataError(f"the argument '{shown}' is not UTF-8 text; retype it in a UTF-8 terminal") from None

@@ -61,7 +61,7 @@ class Run:
 
     @property
     def backend(self) -> str:
-        return self.config.get("backend", "cpu")  # runs from before the backend was saved were CPU runs
+        return self.config.get("backend") or "cpu"  # runs from before the backend was saved were CPU runs
 
     @property
     def base_model(self) -> str:
@@ -129,6 +129,15 @@ def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
         return None
     candidates = [run_path(art_dir, PROJECT, name)] + sorted(Path(art_dir).glob(f"*/models/{name}"))
     return next((Run.load(p) for p in candidates if (p / "run_config.json").exists()), None)
+
+
+def trained_db(specs: list[str], art_dir: str = ART_DIR) -> str | None:
+    """The database the first trained run among the --model values was trained on, if it is still there."""
+    for spec in specs:
+        run = find_run(spec.partition("@")[0], art_dir)
+        if run is not None and run.config.get("db") and Path(run.config["db"]).exists():
+            return run.config["db"]
+    return None
 
 
 def list_runs(art_dir: str = ART_DIR) -> list[Run]:

@@ -188,7 +188,8 @@ def _well_typed(record: dict, keys: tuple[str, ...]) -> bool:
             and (withheld is None or isinstance(withheld, dict) and isinstance(withheld.get("answer"), str)
                  and isinstance(withheld.get("sources"), list))
             and all(isinstance(v, (int, float)) for v in (record.get("metrics") or {}).values())
-            and all(isinstance(m, dict) for m in record.get("messages") or []))
+            and all(isinstance(m, dict) for m in record.get("messages") or [])
+            and type(record.get("max_turns", 1)) is int)
 
 
 def read_results(path, keys: tuple[str, ...] = RESULT_KEYS) -> tuple[list[dict], int]:

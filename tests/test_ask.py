@@ -96,6 +96,9 @@ def test_ask_out_of_turns_and_made_up_sources(demo_db_path, q, tmp_path, capsys)
 @pytest.mark.parametrize("argv, message", [
     (["--inbox", "nobody@nowhere.example"], "has no mail sent or received by 'nobody@nowhere.example'; its largest inboxes: "),
     (["--as-of", "yesterday"], "--as-of must be a date"),
+    (["--as-of", ""], "--as-of must be a date like 2001-05-31, not ''"),
+    (["--as-of", "2024-04-24T23:59 garbage"], "not '2024-04-24T23:59 garbage'"),
+    (["--model", "demo@"], "--model demo@: give a step after '@'"),
     (["--model", "hosted_vllm/x", "--base-url", "http://127.0.0.1:9/v1"], "cannot reach http://127.0.0.1:9/v1"),
     (["--model", "nonsense"], "neither a run"),
     (["--max-turns", "0"], "--max-turns must be at least 1, not 0"),
@@ -108,6 +111,12 @@ def test_ask_bad_input_is_one_clear_error(demo_db_path, q, tmp_path, capsys, arg
     assert ask(q.question, "--db", demo_db_path, "--art-dir", tmp_path, *flags) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_timestamp_as_of_is_its_day(demo_db, q):
+    from email_agent.ask import adhoc_question
+
+    assert adhoc_question(demo_db, "Where?", q.inbox_address, "2024-04-24T23:59").query_date == "2024-04-24"
 
 
 def test_the_rollout_hook_sees_every_action(demo_db, q):

@@ -496,6 +496,14 @@ def test_search_and_read_mistakes_say_what_went_wrong(demo_db_path):
         "search", "--inbox", "maya.okafor@larkspur.example", "egret", "--before", "2024-13-01")
     assert "--as-of must be a date like 2001-05-31, not '2024-05-01x'" in run(
         "read", "<demo.000083@larkspur.example>", "--as-of", "2024-05-01x")
+    assert "has no mail sent or received by ''" in run("read", "<demo.000083@larkspur.example>", "--inbox", "")
+    assert "--after must be a date like 2001-05-31, not ''" in run(
+        "search", "--inbox", "maya.okafor@larkspur.example", "egret", "--after", "")
+    # bytes that are not UTF-8 (a Latin-1 terminal): one error, not a traceback where they are first written
+    proc = subprocess.run([sys.executable.encode(), str(ROOT / "train_email_search_agent.py").encode(), b"search",
+                           b"--inbox", b"\xff", b"egret", b"--db", str(demo_db_path).encode()],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "the argument '\\xff' is not UTF-8 text" in proc.stderr, proc.stderr
 
 
 def test_swapped_emails_and_questions_files_are_caught(tmp_path):

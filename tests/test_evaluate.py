@@ -75,9 +75,10 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     record = json.loads(text)
     mistyped = [{**record, "metrics": "s"}, {**record, "metrics": {**record["metrics"], "num_turns": "3"}},
                 {**record, "sources": "<a@b>"}, {**record, "reward": None}, {**record, "withheld": {"answer": 1}},
-                {**record, "messages": ["hi"]}, [record]]
+                {**record, "messages": ["hi"]}, {**record, "max_turns": None}, [record]]
     (torn / "results.jsonl").write_text(text + text[:40] + "\n" + '{"model": "x"}\n'  # and a record of nothing
-                                        + "".join(json.dumps(r) + "\n" for r in mistyped))  # and of the wrong types
+                                        + "".join(json.dumps(r) + "\n" for r in mistyped)  # and of the wrong types
+                                        + text)  # and the same answer again
     assert run_cli("--rejudge", torn, "--output", tmp_path / "third") == 0
     assert len((tmp_path / "third" / "results.jsonl").read_text().splitlines()) == 1
 
@@ -86,6 +87,12 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert run_cli("--rejudge", tmp_path / "second", "--output", tmp_path / "third") == 0
     [kept] = tmp_path.glob("third-*")
     assert (kept / "results.jsonl").read_text() == earlier and (tmp_path / "third" / "report.html").exists()
+    # only the evaluation's own files move: a folder that holds other things keeps them
+    (tmp_path / "third" / "demo.db").write_text("not ours")
+    assert run_cli("--rejudge", tmp_path / "second", "--output", tmp_path / "third") == 0
+    assert (tmp_path / "third" / "demo.db").read_text() == "not ours" and (tmp_path / "third" / "results.jsonl").exists()
+    assert sorted(p.name for p in max(tmp_path.glob("third-*"), key=lambda p: p.stat().st_mtime).iterdir()) == [
+        "report.html", "report.md", "results.jsonl", "summary.json"]
 
 
 def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
@@ -266,6 +273,10 @@ def test_probe_refused_key_and_unknown_model(demo_db_path, tmp_path, capsys, ser
     (["--split", "tests"], "--split 'tests': "),
     (["--timeout", "nan"], "--timeout is seconds per model request, more than 0; not nan"),
     (["--timeout", "0"], "--timeout is seconds per model request, more than 0; not 0.0"),
+    (["--temperature", "nan"], "--temperature must be between 0 and 2, not nan"),
+    (["--temperature", "-1"], "--temperature must be between 0 and 2, not -1.0"),
+    (["--rejudge", "eval/x", "--model", "base", "--limit", "3"], "runs no model, so --model, --limit, --db would"),
+    (["--model", "base\udcff"], "the argument 'base\\xff' is not UTF-8 text"),
 ])
 def test_numbers_that_would_slice_or_hang_are_refused(demo_db_path, tmp_path, capsys, flags, message):
     models = [] if "--model" in flags else ["--model", "base"]
@@ -497,10 +508,13 @@ def test_no_model_evaluates_the_most_recent_run(demo_db_path, demo_questions, tm
     make_gpu_run(tmp_path / "art", name="older")
     time.sleep(0.05)
     make_gpu_run(tmp_path / "art", name="newer")
+    config = json.loads((tmp_path / "art" / "email-agent" / "models" / "newer" / "run_config.json").read_text())
+    (tmp_path / "art" / "email-agent" / "models" / "newer" / "run_config.json").write_text(
+        json.dumps({**config, "db": str(demo_db_path)}))
     with serve_in_thread({q.question: expert_script(q) for q in demo_questions[:1]}) as server:
         monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
-        assert run_cli("--db", demo_db_path, "--limit", 1, "--output", tmp_path / "out",
-                       "--art-dir", tmp_path / "art") == 0
+        # no --db either: the run's own database
+        assert run_cli("--limit", 1, "--output", tmp_path / "out", "--art-dir", tmp_path / "art") == 0
     assert json.loads((tmp_path / "out" / "results.jsonl").read_text())["model"] == "newer@2"
 
 
