@@ -461,26 +461,6 @@ async def train(cfg: TrainConfig) -> None:
             shutil.rmtree(run_dir(cfg), ignore_errors=True)
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; its comment in the source is the help text."""
-    import inspect
-
-    comments = {}
-    for line in inspect.getsource(TrainConfig).splitlines():
-        name, _, rest = line.strip().partition(":")
-        if "#" in rest:
-            comments[name] = rest.split("#", 1)[1].strip()
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = comments.get(f.name, "") + (f" (default {f.default!r})" if f.type != "bool" else "")
-        help_text = help_text.replace("%", "%%")  # argparse %-formats help text: "10% warm-up" would crash --help
-        if f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None,
-                                metavar=f.name.upper(), help=help_text)
-
-
 def config_from_args(args) -> TrainConfig:
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
     preset = DEMO_PRESET if given.get("demo") else {}
@@ -651,7 +631,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train the agent with GRPO (resumes a run of the same name)",
                        description="GRPO on the train split with rollouts from the agent environment. "
                                    "Example: python train_email_search_agent.py train --demo")
-    add_config_flags(p)
+    cli.add_dataclass_flags(p, TrainConfig)  # one flag per field; its comment is the help text
     p.set_defaults(func=train_command)
     return parser
 

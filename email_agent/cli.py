@@ -1,5 +1,5 @@
 """What the two command-line scripts share: log lines on stderr (and no library warning noise), SIGTERM as Ctrl-C,
-arguments checked as text.
+arguments checked as text, and flags made from a config dataclass.
 
 Library modules only log (`logging.getLogger(__name__)`) and never touch signals; the scripts call these
 first, so the library stays usable from a notebook or another program as it is.
@@ -54,3 +54,26 @@ def check_text_arguments(argv: list[str]) -> None:
         except UnicodeEncodeError:
             shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
             raise DataError(f"the argument '{shown}' is not UTF-8 text; retype it in a UTF-8 terminal") from None
+
+
+def add_dataclass_flags(parser, cls) -> None:
+    """One flag per field of the dataclass `cls` (`--max-turns` for max_turns), each defaulting to None so that
+    only flags given on the command line override; a field's comment in the source is its help text."""
+    import argparse
+    import inspect
+    from dataclasses import fields
+
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        name, _, rest = line.strip().partition(":")
+        if "#" in rest:
+            comments[name] = rest.split("#", 1)[1].strip()
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = comments.get(f.name, "") + (f" (default {f.default!r})" if f.type != "bool" else "")
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help text: "10% warm-up" would crash --help
+        if f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None,
+                                metavar=f.name.upper(), help=help_text)
