@@ -232,8 +232,7 @@ def make_parser() -> argparse.ArgumentParser:
 def check_output(out: Path) -> None:
     """Before any model is served: an --output that cannot become a folder is a one-line error."""
     existing = next(p for p in (out, *out.parents) if p.exists())
-    run = next((p for p in (out.resolve(), *out.resolve().parents)
-                if (p / "run_config.json").is_file() or (p / "checkpoints").is_dir()), None)
+    run = next((p for p in (out.resolve(), *out.resolve().parents) if (p / "run_config.json").is_file()), None)
     if run is not None:  # checkpoint pruning and --fresh delete what is in there
         raise DataError(f"--output {out} is {'in ' if run != out.resolve() else ''}a training run's folder; give a "
                         f"folder of its own, such as eval/NAME")
@@ -241,6 +240,10 @@ def check_output(out: Path) -> None:
         raise DataError(f"--output {out}: {existing} is a file; give a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise DataError(f"--output {out}: cannot write in {existing}")
+    beside = out.resolve().parent
+    if (out / "results.jsonl").exists() and not os.access(beside, os.W_OK | os.X_OK):
+        raise DataError(f"--output {out} holds an evaluation, which would move aside into {beside}, where this "
+                        f"user cannot write; give another --output")
 
 
 OUTPUT_FILES = ("results.jsonl", "summary.json", "report.md", "report.html")  # what an evaluation writes
@@ -274,7 +277,10 @@ def check_args(args) -> None:
     request once the models are served (--temperature nan); flags --rejudge would ignore."""
     if args.rejudge:
         ignored = [flag for flag, given in (("--model", args.model), ("--limit", args.limit is not None),
-                                            ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo))
+                                            ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo),
+                                            ("--single-source", args.single_source),
+                                            *((f"--{f.replace('_', '-')}", getattr(args, f) is not None)
+                                              for f in ("max_turns", "max_tokens", "max_body_chars", "search_results")))
                    if given]
         if ignored:
             raise DataError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "

@@ -260,11 +260,12 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> d
             "accuracy": sum(t.metrics["answer_correct"] for t in trajs) / max(len(trajs), 1), **extra}
 
 
-async def warm_start_episodes(cfg: TrainConfig, db, train_questions, rollout_config) -> list:
-    """The trajectories the warm start imitates: the demo expert's, or a teacher's judged-correct ones."""
+async def warm_start_episodes(cfg: TrainConfig, db, train_questions, val_questions, rollout_config) -> list:
+    """The trajectories the warm start imitates: the demo expert's on the train questions, or a teacher's
+    judged-correct ones (none of the validation questions: the curve would score what it imitated)."""
     from email_agent.sft import sft_source
 
-    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config)
+    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config, held_out=val_questions)
     if cfg.sft_limit:
         trajectories = trajectories[:cfg.sft_limit]
     if not trajectories:
@@ -354,12 +355,12 @@ async def train(cfg: TrainConfig) -> None:
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     backend = backends.make_backend(backend_name, cfg)  # fails here, before anything is saved, if it cannot run
     new_run = not run_dir(cfg).exists()
-    runs.start(run_dir(cfg), saved_config(cfg, backend_name), fresh=cfg.fresh, preflight=cfg.preflight)
-    state = runs.read_state(run_dir(cfg))
-    # The warm start's episodes are gathered before the model loads (minutes on a GPU): a teacher folder with
-    # nothing to learn from fails first.
-    sft_episodes = (await warm_start_episodes(cfg, db, train_questions, rollout_config)
+    # The run's state and the warm start's episodes are checked before the run is saved and the model loads
+    # (minutes on a GPU): a damaged state or a teacher folder with nothing to learn from fails first.
+    state = {} if cfg.fresh else runs.read_state(run_dir(cfg))
+    sft_episodes = (await warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config)
                     if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
+    runs.start(run_dir(cfg), saved_config(cfg, backend_name), fresh=cfg.fresh, preflight=cfg.preflight)
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
         from email_agent.tracing import traced_rollout
 
@@ -408,7 +409,8 @@ async def train(cfg: TrainConfig) -> None:
             print(f"preflight: {verdict.headline}")
             return
         if warm_start_pending:
-            sft_episodes = sft_episodes or await warm_start_episodes(cfg, db, train_questions, rollout_config)
+            sft_episodes = sft_episodes or await warm_start_episodes(cfg, db, train_questions, val_questions,
+                                                                     rollout_config)
             await warm_start(cfg, model, sft_episodes)
             state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
             sft_steps = state["sft_steps"]

@@ -20,6 +20,7 @@ import json
 import math
 import mailbox as mboxlib
 import os
+import re
 import sqlite3
 import unicodedata
 from dataclasses import dataclass
@@ -421,7 +422,9 @@ def check_day(flag: str, day: str | None) -> str | None:
     """A date a user typed, whole: the agent's tools read the first 10 characters of what a model sends
     ('2001-05-31T09:00'), but '2001-05-31x' on a command line is a typo to point at."""
     if day is not None:
-        try:
+        try:  # YYYY-MM-DD first: fromisoformat alone also takes '20010531T0900', which the tools cannot read
+            if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", day.strip()[:10]):
+                raise ValueError(day)
             datetime.fromisoformat(day.strip())
         except ValueError:
             raise DataError(f"{flag} must be a date like 2001-05-31, not {day!r}") from None

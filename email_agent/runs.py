@@ -132,10 +132,14 @@ def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
 
 
 def trained_db(specs: list[str], art_dir: str = ART_DIR) -> str | None:
-    """The database the first trained run among the --model values was trained on, if it is still there."""
+    """The database the first trained run among the --model values was trained on (None if none is a run);
+    a DataError if it is no longer where the run saved it."""
     for spec in specs:
         run = find_run(spec.partition("@")[0], art_dir)
-        if run is not None and run.config.get("db") and Path(run.config["db"]).exists():
+        if run is not None and run.config.get("db"):
+            if not Path(run.config["db"]).exists():
+                raise DataError(f"run {run.name!r} was trained on the database {run.config['db']}, which is not "
+                                f"there (seen from {Path.cwd()}); pass --db")
             return run.config["db"]
     return None
 

@@ -149,10 +149,9 @@ SHAPE_KEYS = ("max_turns", "max_body_chars", "search_results")  # what changes t
 
 
 def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig | None = None,
-                         questions: list[Question] | None = None) -> list[art.Trajectory]:
-    """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl: of `questions` only
-    if given (training passes its train questions, so those it holds out for validation are not imitated),
-    never of the test split.
+                         held_out: list[Question] = ()) -> list[art.Trajectory]:
+    """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl, never of the test
+    split nor of the `held_out` questions (those training validates on).
 
     With `config`, warns when the teacher played another episode shape than the one being trained: its system
     prompt names another number of turns and its tool replies are longer or shorter than the student's will be.
@@ -166,8 +165,8 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig 
         logger.warning("--sft-from %s: %d unreadable line(s) in results.jsonl skipped", folder, unreadable)
     if not records:
         raise DataError(f"--sft-from {folder}: results.jsonl holds no episodes (is it an evaluation's results?)")
-    allowed = None if questions is None else {q.id for q in questions}
-    trajs, shapes, held_out = [], set(), 0
+    held_out_ids = {q.id for q in held_out}
+    trajs, shapes, skipped = [], set(), 0
     for record in records:
         episode = record.get("episode") or {}
         shapes.add(tuple(episode.get(key) for key in SHAPE_KEYS))
@@ -175,16 +174,16 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig 
         if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct")
                                                                               and m.get("sources_correct")):
             continue
-        if allowed is not None and record["question_id"] not in allowed:
-            held_out += 1
+        if record["question_id"] in held_out_ids:
+            skipped += 1
             continue
         messages = [strip_to_chat(message) for message in record["messages"]]
         trajs.append(art.Trajectory(messages_and_choices=messages, tools=TOOLS, reward=record["reward"],
                                     metrics={k: v for k, v in m.items() if isinstance(v, (int, float))},
                                     metadata={"question_id": record["question_id"], "teacher": record["model"]}))
-    if held_out:
-        logger.info("--sft-from %s: %d episode(s) of questions this run holds out (validation, or beyond "
-                    "--train-limit) left out of the warm start", folder, held_out)
+    if skipped:
+        logger.info("--sft-from %s: %d episode(s) of the questions this run validates on left out of the warm "
+                    "start", folder, skipped)
     if config is not None:
         wanted = tuple(getattr(config, key) for key in SHAPE_KEYS)
         other = sorted({shape for shape in shapes if None not in shape and shape != wanted})
@@ -209,12 +208,14 @@ def strip_to_chat(message: dict) -> dict:
     return keep
 
 
-def sft_source(source: str, db: EmailDB, questions: list[Question], config: RolloutConfig):
-    """`--sft-from` -> an awaitable of trajectories."""
+def sft_source(source: str, db: EmailDB, questions: list[Question], config: RolloutConfig,
+               held_out: list[Question] = ()):
+    """`--sft-from` -> an awaitable of trajectories: the demo expert plays `questions`; a teacher's episodes
+    are whatever it played, less the `held_out` questions."""
     if source == "demo-expert":
         return expert_trajectories(db, questions, config)
     if Path(source).expanduser().is_dir():
         async def load():
-            return teacher_trajectories(Path(source).expanduser(), db, config, questions)
+            return teacher_trajectories(Path(source).expanduser(), db, config, held_out)
         return load()
     raise DataError(f"--sft-from {source!r}: expected 'demo-expert' or an evaluation folder with results.jsonl")

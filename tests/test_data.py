@@ -497,6 +497,8 @@ def test_search_and_read_mistakes_say_what_went_wrong(demo_db_path):
     assert "--as-of must be a date like 2001-05-31, not '2024-05-01x'" in run(
         "read", "<demo.000083@larkspur.example>", "--as-of", "2024-05-01x")
     assert "has no mail sent or received by ''" in run("read", "<demo.000083@larkspur.example>", "--inbox", "")
+    assert "--after must be a date like 2001-05-31, not '20240501T0900'" in run(
+        "search", "--inbox", "maya.okafor@larkspur.example", "egret", "--after", "20240501T0900")
     assert "--after must be a date like 2001-05-31, not ''" in run(
         "search", "--inbox", "maya.okafor@larkspur.example", "egret", "--after", "")
     # bytes that are not UTF-8 (a Latin-1 terminal): one error, not a traceback where they are first written

@@ -486,6 +486,10 @@ def test_an_output_in_a_training_runs_folder_is_refused(demo_db_path, tmp_path, 
     assert run_cli("--db", demo_db_path, "--model", "base", "--output", run / "checkpoints" / "eval") == 1
     assert "is in a training run's folder" in capsys.readouterr().err
     assert not (run / "checkpoints" / "eval").exists()
+    # a project folder that merely has a checkpoints/ folder is no run
+    (tmp_path / "project" / "checkpoints").mkdir(parents=True)
+    evaluate.check_output(tmp_path / "project" / "eval")
+    evaluate.check_output(tmp_path / "project")
 
 
 def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path, capsys, monkeypatch):
@@ -516,6 +520,12 @@ def test_no_model_evaluates_the_most_recent_run(demo_db_path, demo_questions, tm
         # no --db either: the run's own database
         assert run_cli("--limit", 1, "--output", tmp_path / "out", "--art-dir", tmp_path / "art") == 0
     assert json.loads((tmp_path / "out" / "results.jsonl").read_text())["model"] == "newer@2"
+    # the run's database moved away: said, not replaced by the default one
+    (tmp_path / "art" / "email-agent" / "models" / "newer" / "run_config.json").write_text(
+        json.dumps({**config, "db": str(tmp_path / "gone.db")}))
+    assert run_cli("--limit", 1, "--output", tmp_path / "out2", "--art-dir", tmp_path / "art") == 1
+    assert f"run 'newer' was trained on the database {tmp_path / 'gone.db'}, which is not there" in (
+        capsys.readouterr().err)
 
 
 def test_wandb_traces_rollouts_and_judge_with_weave(demo_db_path, demo_questions, tmp_path, monkeypatch):

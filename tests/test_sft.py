@@ -87,10 +87,9 @@ def test_teacher_folder_keeps_exactly_the_judged_correct_cited_train_episodes(de
     assert messages[2]["tool_calls"][0]["function"] == {"name": "read_email", "arguments": "{\"message_id\": \"m\"}"}
     assert "refusal" not in messages[2] and messages[2]["content"] == ""  # only what a chat template renders
     assert trajs[0].tools and trajs[0].metadata["teacher"] == "openai/o4-mini"
-    # training passes the questions it trains on: one it holds out for validation is not imitated
-    train = qmod.select_questions(demo_db, "train")
-    without_last = [q for q in train if q.id != train_ids[4]]
-    assert [t.metadata["question_id"] for t in teacher_trajectories(tmp_path, demo_db, None, without_last)] == [
+    # training passes the questions it validates on: they are not imitated
+    held_out = [q for q in qmod.select_questions(demo_db, "train") if q.id == train_ids[4]]
+    assert [t.metadata["question_id"] for t in teacher_trajectories(tmp_path, demo_db, None, held_out)] == [
         train_ids[0]]
 
 
@@ -103,7 +102,7 @@ def test_a_teacher_folder_with_unreadable_results(demo_db, tmp_path, caplog):
         teacher_trajectories(folder, demo_db)
     (folder / "results.jsonl").write_text(json.dumps(record(train_id)) + "\n" + json.dumps(record(train_id))[:50])
     with caplog.at_level(logging.WARNING, logger="email_agent"):
-        trajs = asyncio.run(sft_source(str(folder), demo_db, qmod.select_questions(demo_db, "train"), RolloutConfig()))
+        trajs = asyncio.run(sft_source(str(folder), demo_db, [], RolloutConfig()))
     assert len(trajs) == 1 and "1 unreadable line(s)" in caplog.text
 
 

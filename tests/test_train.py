@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -309,6 +310,7 @@ def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
                                                              "--max-turns", "5"]))
     runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
     saved = json.loads((cli.run_dir(cfg) / "run_config.json").read_text())
+    assert saved["db"] == str(Path(cli.DEMO_DB).resolve())  # found again from any folder
     assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
     run = runs.find_run("demo", str(tmp_path))
     assert run.shape == EpisodeShape(5, 64, 600, 3) and run.backend == "cpu"
@@ -395,7 +397,7 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caps
                           sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, rollout_config))
+    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
         asyncio.run(cli.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
@@ -418,7 +420,7 @@ def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stop
                           sft_learning_rate=1e-3, sft_schedule="linear")
     train = questions.select_questions(demo_db, "train", seed=0)[:30]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, rollout_config))
+    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
     asyncio.run(cli.warm_start(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]
@@ -479,11 +481,13 @@ def test_a_damaged_run_state_or_empty_teacher_is_refused_before_the_model_loads(
     (folder / "state.json").write_text('{"sft_steps": "3"}')
     assert cli.main(common) == 1
     assert "state.json is damaged (sft_steps is '3', not an int)" in capsys.readouterr().err
+    assert not (folder / "run_config.json").exists()  # a refused run is not saved
     teacher = tmp_path / "teacher"
     teacher.mkdir()
     (teacher / "results.jsonl").write_text('{"question_id": "nope"}\n')
     assert cli.main(common + ["--name", "taught", "--sft-from", str(teacher)]) == 1
     assert "results.jsonl holds no episodes" in capsys.readouterr().err
+    assert not backends.run_path(str(tmp_path), backends.PROJECT, "taught").exists()
 
 
 def test_a_half_written_history_line_is_dropped_before_the_run_goes_on(tmp_path, capsys):
