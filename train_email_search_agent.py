@@ -324,7 +324,7 @@ async def train(cfg: TrainConfig) -> None:
     cfg.base_model = cfg.base_model or backends.default_base_model(backend_name)
     if cfg.base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
         cfg.base_model = backends.CPU_BASE_MODEL
-    if cfg.demo and not Path(cfg.db).exists():
+    if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
         build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True, overwrite=False))
     db = EmailDB(cfg.db)
     questions = select_questions(db, "train", single_source=cfg.single_source, min_realistic=cfg.min_realistic,
@@ -357,6 +357,8 @@ async def train(cfg: TrainConfig) -> None:
     new_run = not run_dir(cfg).exists()
     # The run's state and the warm start's episodes are checked before the run is saved and the model loads
     # (minutes on a GPU): a damaged state or a teacher folder with nothing to learn from fails first.
+    if not cfg.fresh:
+        runs.check_resumable(run_dir(cfg), saved_config(cfg, backend_name))
     state = {} if cfg.fresh else runs.read_state(run_dir(cfg))
     sft_episodes = (await warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config)
                     if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
@@ -496,6 +498,9 @@ def train_command(args) -> None:
     for key in ("val_size", "train_limit", "sft_limit", "max_steps"):
         if getattr(cfg, key) < 0:
             raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+    if cfg.sft_only and not cfg.sft_from:
+        raise DataError("--sft-only stops after the warm start, and --sft-from names none; give --sft-from "
+                        "demo-expert or an evaluation folder")
     if cfg.sft_from not in ("", "demo-expert") and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
         raise DataError(f"--sft-from {cfg.sft_from}: expected 'demo-expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")

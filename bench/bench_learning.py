@@ -74,6 +74,10 @@ def main() -> None:
                         help="evaluate with the grounding check: answers naming something in no email or search "
                              "result the agent saw count as \"I don't know\" (runs F-W: without; the bench prints "
                              "both)")
+    parser.add_argument("--base-model", default="",
+                        help="the model to train: a local transformers folder, or a Hugging Face name on a GPU "
+                             "(default: train's, SmolLM2-135M-Instruct on CPU)")
+    parser.add_argument("--backend", default="auto", help="train's --backend (auto: local with CUDA, else cpu)")
     parser.add_argument("--with-base", action="store_true", help="evaluate the untrained base model too (0%% so far)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
@@ -86,7 +90,8 @@ def main() -> None:
              "--name", "learn", "--keep-checkpoints", "all", "--val-size", "16", *shape,
              "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs),
              "--sft-learning-rate", str(args.sft_learning_rate),
-             "--cpu-train-threads", str(args.cpu_train_threads), "--seed", str(args.seed)]
+             "--cpu-train-threads", str(args.cpu_train_threads), "--seed", str(args.seed), "--backend", args.backend,
+             *(["--base-model", args.base_model] if args.base_model else [])]
     times = {}
     started = time.perf_counter()
     times["build"] = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")
@@ -103,7 +108,8 @@ def main() -> None:
                       "--scale-rewards" if args.scale_rewards else "--no-scale-rewards")
     if args.scaled_steps:  # the run resumes where the first phase stopped
         times["rl"] += run("GRPO, std-scaled", *grpo, "--max-steps", str(args.rl_steps), "--scale-rewards")
-    models = (["--model", "base"] if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
+    models = (["--model", "base", *(["--base-model", args.base_model] if args.base_model else [])] if args.with_base
+              else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
                             *models, "--limit", str(args.test_questions), "--output", str(work / "report"),
                             "--concurrency", str(args.concurrency), *shape,

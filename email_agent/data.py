@@ -126,8 +126,11 @@ def parse_date(value) -> str:
     else:
         raise SkipRecord("missing date")
     if dt.tzinfo is not None:  # naive datetimes (the HF dataset's timestamps) are taken as UTC
-        dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
-    return dt.strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
+        except OverflowError as exc:  # year 1 east of UTC, year 9999 west of it
+            raise SkipRecord(f"unparseable date {value!r}"[:60]) from exc
+    return dt.isoformat(" ", "seconds")  # strftime's %Y writes year 999 as '999', which sorts after '2024'
 
 
 def _addresses(value, field: str) -> list[str]:
@@ -252,6 +255,9 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")  # JSON Lines, 
 # Files in mail folders that are not mail: Thunderbird indexes, Apple Mail and Dovecot/Courier bookkeeping.
 NOT_MAIL_SUFFIXES = (".msf", ".plist", ".index", ".cache", ".log", ".json", ".dat", ".db", ".sqlite", ".toc",
                      ".html", ".htm")  # Thunderbird writes filterlog.html beside its folders
+# A database's companions (build-db's temporary file, SQLite's journal, generate-questions' reply cache): a --db
+# kept inside the --emails folder is not read back as mail.
+NOT_MAIL_PARTS = (".db.", ".db-", ".sqlite.", ".sqlite-")
 NOT_MAIL_NAMES = {"maildirfolder", "dovecot-uidlist", "dovecot-keywords", "dovecot-uidvalidity", "subscriptions",
                   "courierimapkeywords", "courierimapuiddb", "courierimapacl", "table_of_contents", "msgFilterRules.dat"}
 
@@ -264,7 +270,8 @@ def read_maildir(root: Path) -> Iterator[dict]:
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         name = path.name
         if name.startswith(".") or name in NOT_MAIL_NAMES or name.lower().endswith(NOT_MAIL_SUFFIXES) \
-                or name.startswith("dovecot.") or path.stat().st_size == 0:
+                or any(part in name.lower() for part in NOT_MAIL_PARTS) or name.startswith("dovecot.") \
+                or path.stat().st_size == 0:
             continue  # an empty file is an empty Thunderbird folder, not a message
         if path.parent.name == "tmp" and (path.parent.parent / "cur").is_dir():
             continue
@@ -407,7 +414,7 @@ def _day(day: str) -> datetime:
 
 def day_start(day: str) -> str:
     """'YYYY-MM-DD' (or a longer ISO timestamp) -> the stored form of that day's midnight; ValueError if not a date."""
-    return _day(day).strftime("%Y-%m-%d 00:00:00")
+    return f"{_day(day).date().isoformat()} 00:00:00"  # isoformat keeps 4 digits for years before 1000
 
 
 def day_after(day: str) -> str:
@@ -415,7 +422,7 @@ def day_after(day: str) -> str:
     start = _day(day)
     if start.date() == datetime.max.date():
         return "9999-12-31 24:00:00"  # no next day to name; compared as text, this follows every time that day
-    return (start + timedelta(days=1)).strftime("%Y-%m-%d 00:00:00")
+    return f"{(start + timedelta(days=1)).date().isoformat()} 00:00:00"
 
 
 def check_day(flag: str, day: str | None) -> str | None:

@@ -237,7 +237,7 @@ def parse_reply(text: str) -> list:
         raise ValueError("reply is not JSON")
     try:
         reply = json.loads(text[start:end + 1])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than Python's stack
         raise ValueError("reply is not JSON") from None
     if not isinstance(reply, dict) or not isinstance(reply.get("questions"), list):
         raise ValueError('reply has no "questions" list')
@@ -293,6 +293,8 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
                 await asyncio.sleep(min(2 ** attempt, 10))
             continue
         try:
+            if not response.choices:  # an OpenAI-compatible server may answer 200 with no choice at all
+                raise ValueError("reply has no choices")
             questions = parse_reply(response.choices[0].message.content)
         except ValueError as exc:
             error = str(exc)

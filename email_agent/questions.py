@@ -129,9 +129,10 @@ def select_questions(db: EmailDB, split: str, *, single_source: bool = False, mi
 
 def withheld(question: Question, db: EmailDB) -> Question | None:
     """The question asked the day before its (earliest) gold email was sent: the inbox cannot answer it
-    (unless an earlier email carries the same fact). None when no gold email is in the database."""
+    (unless an earlier email carries the same fact). None when no gold email is in the database, or it is dated
+    on the first day there is."""
     dates = [email.date[:10] for email in (db.read(m) for m in question.message_ids) if email is not None]
-    if not dates:
+    if not dates or min(dates) == str(date.min):
         return None
     return dataclasses.replace(question, query_date=str(date.fromisoformat(min(dates)) - timedelta(days=1)))
 

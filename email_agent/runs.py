@@ -175,19 +175,37 @@ def check_name(flag: str, value: str) -> None:
         raise DataError(f"{flag} {value!r}: a run needs a {flag[2:]} that is a plain folder name")
 
 
+# What a resumed run must keep: the model and its LoRA, the questions it trains and validates on (the seed
+# and these settings pick them: changed, validation questions could be trained on), and the episode shape it
+# learned and is evaluated with. Rates, steps, rewards and sampling may change between runs.
+RESUME_KEEPS = ("base_model", "lora_rank", "lora_alpha", "db", "seed", "val_size", "train_limit", "single_source",
+                "min_realistic", "max_turns", "max_tokens", "max_body_chars", "search_results")
+
+
+def check_resumable(directory: Path, config: dict) -> None:
+    """A DataError if the run in `directory` was trained with other RESUME_KEEPS than `config` (keys an older
+    run did not save are not compared)."""
+    if not (directory / "run_config.json").exists():
+        return
+    previous = Run.load(directory).config
+    for key in RESUME_KEEPS:
+        before, now = previous.get(key), config[key]
+        if key == "db" and before is not None:
+            before, now = str(Path(before).resolve()), str(Path(now).resolve())
+        if key in previous and before != now:
+            raise DataError(f"run {directory.name!r} was trained with {key}={before!r}, not {now!r}; use --fresh "
+                            f"to start it over, or another --name.")
+
+
 def start(directory: Path, config: dict, fresh: bool = False, preflight: bool = False) -> None:
-    """Resume the run in `directory`, or start it; `fresh` deletes it first. Saves `config` (the resolved
-    training config with the backend and episode shape) unless this is a `preflight`, which only checks that
-    the run could resume and changes nothing a later run or evaluation reads."""
+    """Resume the run in `directory` (after `check_resumable`), or start it; `fresh` deletes it first. Saves
+    `config` (the resolved training config with the backend and episode shape) unless this is a `preflight`,
+    which changes nothing a later run or evaluation reads."""
     config_path = directory / "run_config.json"
     if fresh and directory.exists():
         shutil.rmtree(directory)
     if config_path.exists():
-        previous = Run.load(directory).config
-        for key in ("base_model", "lora_rank", "lora_alpha"):
-            if previous.get(key) != config[key]:
-                raise DataError(f"run {directory.name!r} was trained with {key}={previous.get(key)!r}, not "
-                                f"{config[key]!r}; use --fresh to start it over, or another --name.")
+        check_resumable(directory, config)
         print(f"resuming run {directory.name!r} from {directory}", file=sys.stderr)
     if preflight:
         return
@@ -203,8 +221,11 @@ def lock(art_dir: str, project: str, name: str):
     import fcntl
 
     path = Path(art_dir) / f".{project}.{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    held = open(path, "a+")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        held = open(path, "a+")
+    except OSError as exc:
+        raise DataError(f"--art-dir {art_dir}: runs cannot be kept there ({exc.strerror or exc})") from None
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -4,7 +4,8 @@ Each question (the first user message) has a script: a list of replies, one per 
 may also be keyed by model name first ({model: {question: script}}), and "*" is the script for any other
 question (e.g. a judge's reply). A reply is
 a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args), ...]} for several,
-{"text": "..."} for plain text, {"status": 500} for an HTTP error, {"sleep": s} to stall. A script may
+{"text": "..."} for plain text, {"status": 500} for an HTTP error, {"raw": body} for a whole response body
+of its own, {"sleep": s} to stall. A script may
 also be a function of the request body that returns one reply (for replies that depend on the prompt or on
 earlier calls). A question with no script gets {"status": 404}. GET /v1/models lists `models` (none by
 default: "serves anything"); POST /v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a
@@ -63,6 +64,8 @@ class ScriptedServer:
             await asyncio.sleep(reply["sleep"])
         if "status" in reply:
             return web.json_response({"error": {"message": "scripted failure"}}, status=reply["status"])
+        if "raw" in reply:  # a whole response body of the script's own, odd ones included
+            return web.json_response(reply["raw"])
         calls = reply.get("calls") or ([(reply["tool"], reply["args"])] if "tool" in reply else [])
         tool_calls = [{"id": f"call_{turn}_{i}", "type": "function",
                        "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}

@@ -317,6 +317,10 @@ def test_dates_at_the_end_of_the_calendar_and_malformed_ones():
     assert data.visible_until("9999-12-31") > "9999-12-31 23:59:59"
     with pytest.raises(ValueError, match="not a date: '99999-01-01'"):
         data.day_start("99999-01-01")
+    # years before 1000 keep four digits, so dates still compare as text (strftime wrote year 999 as '999')
+    assert data.parse_date("0999-06-01") == "0999-06-01 00:00:00" < data.day_start("2024-01-01")
+    with pytest.raises(data.SkipRecord, match="unparseable date"):  # before the first day there is, in UTC
+        data.parse_date("0001-01-01T00:00:00+05:00")
 
 
 def test_a_file_or_folder_without_mail_says_so(tmp_path):

@@ -169,6 +169,18 @@ def test_replies_that_never_parse_are_counted_and_all_failures_are_one_error(db_
     assert len(server.requests) == 6 and stored(db_path) == []
 
 
+@pytest.mark.parametrize("reply, reason", [
+    ({"raw": {"id": "x", "object": "chat.completion", "created": 0, "model": "gen", "choices": []}},
+     "reply has no choices"),
+    ({"text": '{"questions": ' + "[" * 50_000 + "]" * 50_000 + "}"}, "reply is not JSON"),
+])
+def test_odd_replies_of_a_server_are_retried_and_counted(db_path, reply, reason):
+    with serve_in_thread({"gen": lambda body: reply}) as server:
+        with pytest.raises(DataError, match=f"no usable reply for any of the first 3 batches \\({reason}\\)"):
+            generate.generate_questions(db_path, config(server.base_url), progress=False)
+    assert len(server.requests) == 6 and stored(db_path) == []
+
+
 def test_a_model_that_cannot_answer_stops_the_run_after_the_first_window(db_path):
     """A missing key or a wrong model name shows in the first replies: not after every batch has failed."""
     with serve_in_thread({"gen": lambda body: {"status": 401}}) as server:

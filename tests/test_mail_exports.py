@@ -177,7 +177,9 @@ def test_thunderbird_profile_and_nested_maildirs(tmp_path):
     (md / ".Work.Projects" / "cur" / "1704790803.M4P4.host:2,").write_bytes(
         b"Message-ID: <work@x>\nDate: Sun, 14 Jan 2024 10:00:00 +0000\nFrom: q@x\nTo: ana@example.com\n"
         b"Subject: work\n\nNested folder mail.\n")
-    for junk in ("dovecot-uidlist", "maildirfolder", ".DS_Store", "dovecot.index.log"):
+    for junk in ("dovecot-uidlist", "maildirfolder", ".DS_Store", "dovecot.index.log",
+                 # a --db kept in the folder: its build's temporary file, its journal, its question cache
+                 "me.db.tmp-4242", "me.db-journal", "me.db.questions-cache.jsonl"):
         (md / junk).write_bytes(b"3 V1 N1\n")
     (md / ".Sent" / "maildirfolder").write_bytes(b"")
     summary = build_database(data.read_emails(tmp_path / "export"), [], tmp_path / "tb.db", source="t", progress=False)

@@ -145,6 +145,13 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     with pytest.raises(cli.DataError, match="--fresh"):
         runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"))
     runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"), fresh=True)
+    # what picks the questions and the episode shape stays; rates and steps may change
+    for other in (dict(seed=5), dict(val_size=0), dict(max_turns=9), dict(db="/elsewhere/me.db")):
+        with pytest.raises(cli.DataError, match=f"was trained with {next(iter(other))}="):
+            runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
+                                                                     "cpu"))
+    runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), "learning_rate": 1e-4,
+                                                                                 "max_steps": 9}), "cpu"))
     assert not (cli.run_dir(cfg) / "checkpoints").exists()
     assert json.loads((cli.run_dir(cfg) / "run_config.json").read_text())["base_model"] == "b"
 
@@ -583,10 +590,20 @@ def test_counts_below_one_are_clear_errors(demo_db_path, tmp_path, capsys, flag)
     (["--temperature", "-1"], "--temperature must be at least 0, not -1.0"),
     (["--advantage-balance", "2"], "--advantage-balance must be between -1 and 1, not 2.0"),
     (["--min-realistic", "5"], "--min-realistic must be between 0 and 1, not 5.0"),
+    (["--sft-only", "--sft-from", ""], "--sft-only stops after the warm start, and --sft-from names none"),
 ])
 def test_values_out_of_range_are_clear_errors(demo_db_path, tmp_path, capsys, flags, message):
     assert cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), *flags]) == 1
     assert message in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_an_art_dir_that_cannot_hold_runs_and_a_mistyped_demo_db_are_errors(demo_db_path, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path / "file")]) == 1
+    assert f"--art-dir {tmp_path / 'file'}: runs cannot be kept there" in capsys.readouterr().err
+    # --demo builds the demo inbox at its own path only: elsewhere a missing --db is a typo, not a place to fill
+    assert cli.main(["train", "--demo", "--db", str(tmp_path / "typo.db"), "--art-dir", str(tmp_path / "art")]) == 1
+    assert "typo.db" in capsys.readouterr().err and not (tmp_path / "typo.db").exists()
 
 
 @pytest.mark.parametrize("command", ["build-db", "generate-questions", "search", "read", "ask", "train"])
