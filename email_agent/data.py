@@ -190,6 +190,21 @@ def _unfold(header, decode: bool = True) -> str:
     return " ".join(text.replace("\r", "").replace("\n\t", "").split("\n")).strip()
 
 
+def _mbox_from_date(msg: email.message.Message) -> str | None:
+    """The date on an mbox message's "From " separator line ('From sender Thu Jan 11 10:00:00 2024', Gmail's
+    with '+0000' before the year): drafts and some clients' messages have no Date header, but mbox writers
+    stamp every message there."""
+    if not isinstance(msg, mboxlib.mboxMessage):
+        return None
+    parts = msg.get_from().split()[1:]
+    zone = next((p for p in parts if re.fullmatch(r"[+-]\d{4}", p)), "+0000")
+    try:
+        return datetime.strptime(" ".join([*(p for p in parts if p != zone), zone]),
+                                 "%a %b %d %H:%M:%S %Y %z").isoformat(" ")
+    except ValueError:
+        return None
+
+
 def message_to_record(msg: email.message.Message, file_name: str) -> dict:
     """An RFC 822 message (maildir file, mbox entry, .eml) -> a raw record in our JSONL schema.
 
@@ -200,7 +215,7 @@ def message_to_record(msg: email.message.Message, file_name: str) -> dict:
     body = message_body(msg).replace("\r\n", "\n")
     record = {
         "message_id": _unfold(msg.get("Message-ID")),
-        "date": _unfold(msg.get("Date")) or None,
+        "date": _unfold(msg.get("Date")) or _mbox_from_date(msg),
         "subject": _unfold(msg.get("Subject")),
         "from_address": _unfold(msg.get("From"), decode=False),
         "to_addresses": _unfold(msg.get("To"), decode=False),

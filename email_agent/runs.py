@@ -180,15 +180,20 @@ def check_name(flag: str, value: str) -> None:
 # learned and is evaluated with. Rates, steps, rewards and sampling may change between runs.
 RESUME_KEEPS = ("base_model", "lora_rank", "lora_alpha", "db", "seed", "val_size", "train_limit", "single_source",
                 "min_realistic", "max_turns", "max_tokens", "max_body_chars", "search_results")
+# Once GRPO has taken a step, what places a resumed run in its data: the step count times another batch size,
+# or over another question list, would skip questions or repeat them.
+GRPO_KEEPS = ("groups_per_step", "num_epochs", "unanswerable_share")
 
 
 def check_resumable(directory: Path, config: dict) -> None:
-    """A DataError if the run in `directory` was trained with other RESUME_KEEPS than `config` (keys an older
-    run did not save are not compared)."""
+    """A DataError if the run in `directory` was trained with other RESUME_KEEPS than `config`, or other
+    GRPO_KEEPS once a GRPO step is logged (keys an older run did not save are not compared)."""
     if not (directory / "run_config.json").exists():
         return
     previous = Run.load(directory).config
-    for key in RESUME_KEEPS:
+    history = directory / "history.jsonl"
+    grpo_began = history.is_file() and '"train/reward"' in history.read_text(errors="replace")
+    for key in RESUME_KEEPS + (GRPO_KEEPS if grpo_began else ()):
         before, now = previous.get(key), config[key]
         if key == "db" and before is not None:
             before, now = str(Path(before).resolve()), str(Path(now).resolve())

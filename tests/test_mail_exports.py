@@ -134,9 +134,12 @@ def records(path):
 
 def test_gmail_takeout_mbox(tmp_path):
     path = tmp_path / "All mail Including Spam and Trash.mbox"
-    path.write_bytes(mbox(GMAIL_ALTERNATIVE, HTML_ONLY, OUTLOOK_MIXED, ODD_CHARSETS))
+    undated = (b"From me@example.com Thu Jan 11 10:00:00 2024\nMessage-ID: <undated@x>\nFrom: me@example.com\n"
+               b"To: ana@example.com\nSubject: no Date header\n\nA draft.\n")
+    path.write_bytes(mbox(GMAIL_ALTERNATIVE, HTML_ONLY, OUTLOOK_MIXED, ODD_CHARSETS, undated))
     rows = records(path)
-    assert len(rows) == 4
+    assert len(rows) == 5
+    assert rows["<undated@x>"]["date"] == "2024-01-11 10:00:00"  # from the mbox separator line
     gmail = rows["<CAF1@mail.gmail.com>"]
     assert gmail["subject"] == "Grüße aus Köln 🎉"
     assert gmail["from_address"] == "joerg@example.de" and gmail["to"] == ["ana@example.com"]

@@ -152,6 +152,12 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
                                                                      "cpu"))
     runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), "learning_rate": 1e-4,
                                                                                  "max_steps": 9}), "cpu"))
+    # the batch size may change after the warm start (the bench does), not once GRPO has taken steps
+    wider = cli.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
+    runs.check_resumable(cli.run_dir(cfg), wider)
+    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
+    with pytest.raises(cli.DataError, match="was trained with groups_per_step=12, not 6"):
+        runs.check_resumable(cli.run_dir(cfg), wider)
     assert not (cli.run_dir(cfg) / "checkpoints").exists()
     assert json.loads((cli.run_dir(cfg) / "run_config.json").read_text())["base_model"] == "b"
 
