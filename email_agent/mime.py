@@ -65,11 +65,17 @@ def _leaf_parts(msg: email.message.Message):
         yield msg
 
 
+def _content_type(part: email.message.Message) -> str:
+    """A leaf's type; a "multipart" leaf is one whose boundary is missing (the parser could not split it), and its
+    payload is read as the plain text it most likely is rather than lost."""
+    return "text/plain" if part.get_content_maintype() == "multipart" else part.get_content_type()
+
+
 def message_body(msg: email.message.Message) -> str:
     """The text of a message: its inline text/plain parts, or its HTML parts as text when it has no plain ones."""
-    parts = [p for p in _leaf_parts(msg) if p.get_content_maintype() == "text"]
-    plain = [p for p in parts if p.get_content_type() == "text/plain"]
-    html = [p for p in parts if p.get_content_type() == "text/html"]
+    parts = [p for p in _leaf_parts(msg) if _content_type(p).startswith("text/")]
+    plain = [p for p in parts if _content_type(p) == "text/plain"]
+    html = [p for p in parts if _content_type(p) == "text/html"]
     texts = []
     for part in plain or html:
         payload = part.get_payload(decode=True) or b""

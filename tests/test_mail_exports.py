@@ -3,6 +3,8 @@
 Every fixture is written by the tests from the raw bytes real clients produce; none is committed."""
 
 import base64
+import email
+import email.policy
 import quopri
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from email_agent import data
 from email_agent.build import build_database
 from email_agent.data import DataError, EmailDB, normalize_email
-from email_agent.mime import decode_bytes, decode_header, html_to_text
+from email_agent.mime import decode_bytes, decode_header, html_to_text, message_body
 
 
 def crlf(text: str) -> bytes:
@@ -221,6 +223,12 @@ def test_single_eml_and_outlook_archives(tmp_path):
 ])
 def test_decode_bytes(payload, charset, expected):
     assert decode_bytes(payload, charset) == expected
+
+
+def test_a_multipart_message_without_its_boundary_keeps_its_text():
+    broken = email.message_from_bytes(b"Message-ID: <x@y>\nContent-Type: multipart/mixed\n\nThe text, unsplit.\n",
+                                      policy=email.policy.compat32)
+    assert message_body(broken) == "The text, unsplit."
 
 
 def test_decode_header_and_html():
