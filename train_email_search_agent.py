@@ -357,9 +357,10 @@ async def train(cfg: TrainConfig) -> None:
     new_run = not run_dir(cfg).exists()
     # The run's state and the warm start's episodes are checked before the run is saved and the model loads
     # (minutes on a GPU): a damaged state or a teacher folder with nothing to learn from fails first.
+    state = {}
     if not cfg.fresh:
         runs.check_resumable(run_dir(cfg), saved_config(cfg, backend_name))
-    state = {} if cfg.fresh else runs.read_state(run_dir(cfg))
+        state = runs.read_state(run_dir(cfg))
     sft_episodes = (await warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config)
                     if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
     runs.start(run_dir(cfg), saved_config(cfg, backend_name), fresh=cfg.fresh, preflight=cfg.preflight)

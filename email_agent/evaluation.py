@@ -126,9 +126,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
                           step=int(label.rpartition("@")[2]))
 
     shape = (default_shape or EpisodeShape()).override(**options.shape)
-    if name == "base":
-        if step:
-            raise DataError(f"--model {spec}: 'base' is the untrained model; it has no steps")
+    if name == "base":  # check_specs refused base@N
         label = f"base:{Path(options.base_model).name}"
         client = await serve_on_cpu(options.base_model, None, label, options, stack)
         return Contestant(label, Policy(client, label, max_tokens=shape.max_tokens, **common), shape, "cpu")
@@ -176,8 +174,6 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, 
     from . import backends
 
     cfg = SimpleNamespace(**{**run.config, "art_dir": run.art_dir})
-    if step not in ("", "latest") and not is_step(step):
-        raise DataError(f"--model {run.name}@{step}: a step is a number or 'latest'.")
     try:
         backend = backends.make_backend(run.backend, cfg)
     except backends.BackendError as exc:

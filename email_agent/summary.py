@@ -179,7 +179,7 @@ RESULT_KEYS = ("model", "question_id", "question", "gold_answer", "gold_message_
 # The type each key's value must have for the readers (report, --rejudge, --sft-from) to use it.
 RESULT_TYPES = {"model": str, "question_id": (str, int), "question": str, "gold_answer": str, "gold_message_ids": list,
                 "inbox": str, "query_date": str, "answer": (str, type(None)), "sources": list, "messages": list,
-                "metrics": dict, "reward": (int, float), "withheld": (dict, type(None))}
+                "metrics": dict, "reward": (int, float)}
 
 
 def _well_typed(record: dict, keys: tuple[str, ...]) -> bool:
