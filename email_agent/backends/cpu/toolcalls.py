@@ -28,8 +28,9 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
             name, arguments = parsed["name"], parsed.get("arguments", {})
             if not isinstance(name, str):
                 raise TypeError("name is not a string")
-            if not isinstance(arguments, str):
-                arguments = json.dumps(arguments, ensure_ascii=False)
+            # as vLLM's hermes parser: whatever "arguments" holds is encoded, so a JSON string written where an
+            # object belongs (double-encoded arguments) stays a string and the tool refuses it
+            arguments = json.dumps(arguments, ensure_ascii=False)
         except (ValueError, KeyError, TypeError, AttributeError):
             found = _NAME_RE.search(raw)
             name, arguments = (found.group(1) if found else ""), raw

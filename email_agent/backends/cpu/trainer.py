@@ -43,22 +43,6 @@ def new_optimizer(peft: PeftModel, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=5e-6, betas=(0.9, 0.99), weight_decay=weight_decay)
 
 
-def without_choice_tool_calls(group: TrajectoryGroup) -> TrajectoryGroup:
-    """ART's tokenizer swaps a sampled Choice's rendering for its sampled tokens, which already hold the
-    <tool_call> text; the template would render the Choice's tool_calls a second time after them. Without
-    them the training sequence is exactly the token stream the model produced."""
-    def strip(items: list) -> list:
-        return [item.model_copy(update={"message": item.message.model_copy(update={"tool_calls": None})})
-                if isinstance(item, Choice) and item.logprobs is not None and item.message.tool_calls else item
-                for item in items]
-    return TrajectoryGroup([
-        trajectory.model_copy(update={
-            "messages_and_choices": strip(trajectory.messages_and_choices),
-            "additional_histories": [history.model_copy(update={"messages_and_choices": strip(
-                history.messages_and_choices)}) for history in trajectory.additional_histories]})
-        for trajectory in group.trajectories])
-
-
 @contextlib.contextmanager
 def _seeded_global_random(seed: int):
     """ART's tokenizer and packer shuffle with the global `random`; seed it for them, then restore."""
@@ -136,9 +120,11 @@ class Trainer:
         allow = dev_config.get("allow_training_without_logprobs", False)
         context_length = self.peft.get_base_model().config.max_position_embeddings
         with _seeded_global_random(self.seed * 1_000_003 + step):
+            # As ART's LocalBackend is configured (backends.internal_config): the groups come from the training
+            # loop already in the form every backend trains on (`training_data.for_grpo`).
             results = list(tokenize_trajectory_groups(
-                self.tokenizer, [without_choice_tool_calls(group) for group in groups],
-                allow_training_without_logprobs=allow, scale_rewards=dev_config.get("scale_rewards", True)))
+                self.tokenizer, groups, allow_training_without_logprobs=allow,
+                scale_rewards=dev_config.get("scale_rewards", True), chat_template_tool_schema_format="vllm_openai"))
             too_long = [r for r in results if len(r.token_ids) > context_length]
             if too_long:
                 logger.warning("dropping %d trajectories longer than the %d-token context", len(too_long),
@@ -182,8 +168,10 @@ class Trainer:
                 loss_sum += loss.policy_loss.item()
                 entropy_sum += entropy
             grad_norm = self._optimizer_step(self.max_grad_norm)
-        return {"loss": loss_sum / total, "grad_norm": grad_norm, "entropy": entropy_sum / total,
-                "trained_tokens": float(sum(lengths)), "assistant_tokens": float(total)}
+        # ART LocalBackend's keys, so one step line reads either backend
+        return {"loss/train": loss_sum / total, "loss/grad_norm": grad_norm, "loss/entropy": entropy_sum / total,
+                "loss/learning_rate": learning_rate, "data/step_row_tokens": float(sum(lengths)),
+                "data/step_trainer_tokens": float(total)}
 
     # -- log-probabilities -------------------------------------------------------------------------
 

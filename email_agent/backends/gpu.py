@@ -1,0 +1,321 @@
+"""Can an ART backend start here, and does the model fit: checked in seconds, before anything loads.
+
+Owns the prerequisites of ART 0.5.18's GPU and remote backends (read from its code: the wheel is what
+`requirements-gpu.txt` installs), the GPU memory estimate of a local run, the default base model of each backend,
+and a guard for one import bug of that ART version. `train` and its `--preflight` call `readiness`; the
+training loop itself never comes here. Nothing in this module needs a GPU: the card is described by `GPU`.
+
+How a local run uses the card (ART 0.5.18, `art/unsloth/service.py`, shared mode): the unsloth trainer loads a
+4-bit copy of the model, moves it to host memory, then vLLM starts in a process of its own with the model in
+bf16 and takes `--gpu-memory-utilization` of the card (weights, then KV cache with what is left). At each step
+vLLM sleeps (weights to host memory, KV cache dropped), the trainer comes back to the GPU, trains, goes back
+to host memory, and vLLM wakes. So the card must hold, at different times, vLLM's share and the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 2 ** 30
+
+# A card's usable memory is a little under its nominal size (a "24 GB" RTX 4090 reports 23.6 GiB).
+CARD_GIB = {24: 23.6, 40: 39.4, 80: 79.1}
+NO_GPU_CARD_GB = 24  # what a local run is sized for when no GPU is found (a preflight on a laptop)
+VLLM_OVERHEAD_GIB = 1.0  # vLLM's activations while profiling, sampler and CUDA context
+CUDA_GRAPHS_GIB = 0.5  # graph capture, unless --enforce-eager
+ASLEEP_GIB = 1.0  # a sleeping vLLM's CUDA context and graphs, beside the trainer
+TRAINER_FIXED_GIB = 1.5  # the trainer's CUDA context, LoRA weights, 8-bit Adam state, allocator slack
+MIN_FULL_SEQUENCES = 4  # KV cache for fewer whole-length sequences than this makes rollouts crawl
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank takes; its default is 16
+
+# ART 0.5.18's own lists. Tinker: `art/tinker/renderers.py: get_renderer_name` (read from the installed file);
+# Serverless: the models ART's training skills offer (`art/skills/train-rl/SKILL.md`); W&B checks server-side.
+SERVERLESS_MODELS = ("OpenPipe/Qwen3-14B-Instruct", "Qwen/Qwen3-30B-A3B-Instruct-2507",
+                     "meta-llama/Llama-3.1-8B-Instruct")
+DEFAULT_MODELS = {"serverless": "OpenPipe/Qwen3-14B-Instruct", "tinker": "Qwen/Qwen3-8B"}
+UV_PIN = "uv==0.13.9"
+WANDB_PIN = "wandb==0.25.0"  # what ART's [backend] extra pins
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a transformer decoder depends on (from its config.json)."""
+
+    params: float
+    embedding_params: float  # input embeddings plus an untied output head: kept in 16 bits by 4-bit loading
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        """From a transformers config (a local folder's, or the Hugging Face cache's): parameters counted from the
+        layer sizes (attention, gated MLP, embeddings)."""
+        hidden, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        intermediate = config.intermediate_size
+        embedding = vocab * hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+        per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+        return cls(layers * per_layer + embedding, embedding, layers, kv_heads, head_dim, hidden, intermediate, vocab)
+
+
+# Qwen2.5-Instruct, from each model's config.json (parameters as its model card counts them).
+QWEN2_5 = {
+    "Qwen/Qwen2.5-0.5B-Instruct": ModelShape(0.49e9, 151936 * 896, 24, 2, 64, 896, 4864, 151936),
+    "Qwen/Qwen2.5-1.5B-Instruct": ModelShape(1.54e9, 151936 * 1536, 28, 2, 128, 1536, 8960, 151936),
+    "Qwen/Qwen2.5-3B-Instruct": ModelShape(3.09e9, 151936 * 2048, 36, 2, 128, 2048, 11008, 151936),
+    "Qwen/Qwen2.5-7B-Instruct": ModelShape(7.62e9, 2 * 152064 * 3584, 28, 4, 128, 3584, 18944, 152064),
+    "Qwen/Qwen2.5-14B-Instruct": ModelShape(14.77e9, 2 * 152064 * 5120, 48, 8, 128, 5120, 13824, 152064),
+    "Qwen/Qwen2.5-32B-Instruct": ModelShape(32.76e9, 2 * 152064 * 5120, 64, 8, 128, 5120, 27648, 152064),
+}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    total_gib: float
+    free_gib: float
+
+
+def find_gpu() -> GPU | None:
+    """The first CUDA device as torch sees it, or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info(0)
+        return GPU(torch.cuda.get_device_name(0), total / GiB, free / GiB)
+    except Exception:  # noqa: BLE001 (a broken driver is "no GPU" here; the check says so)
+        return None
+
+
+def model_shape(base_model: str) -> ModelShape | None:
+    """The model's sizes: Qwen2.5's are known; others are read from their config.json if it is at hand."""
+    if base_model in QWEN2_5:
+        return QWEN2_5[base_model]
+    try:
+        from transformers import AutoConfig
+
+        return ModelShape.from_config(AutoConfig.from_pretrained(base_model))
+    except Exception:  # noqa: BLE001 (offline, gated or not a causal LM: the estimate is skipped and says so)
+        return None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """GiB a local run needs, in each of its two phases."""
+
+    weights_bf16: float  # vLLM's copy
+    kv_per_sequence: float  # KV cache of one --max-seq-length sequence
+    vllm_need: float  # weights + KV for MIN_FULL_SEQUENCES sequences + overhead: vLLM's share must hold it
+    vllm_share: float  # --gpu-memory-utilization of the card
+    trainer: float  # while training: 4-bit weights, activations, a sleeping vLLM beside it
+    host: float  # host memory for the sleeping vLLM's weights and the parked trainer
+
+    def fits(self, card_gib: float) -> bool:
+        return self.vllm_need <= self.vllm_share and self.trainer <= card_gib
+
+
+def estimate(shape: ModelShape, card_gib: float, *, gpu_memory_utilization: float, max_seq_length: int,
+             enforce_eager: bool) -> Estimate:
+    weights = shape.params * 2 / GiB
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2 * max_seq_length / GiB
+    vllm_need = weights + MIN_FULL_SEQUENCES * kv + VLLM_OVERHEAD_GIB + (0 if enforce_eager else CUDA_GRAPHS_GIB)
+    four_bit = ((shape.params - shape.embedding_params) * 0.5 * 1.07 + shape.embedding_params * 2) / GiB
+    # unsloth checkpoints each layer's input, recomputes one layer at a time, and computes log-probs in chunks
+    # of 1,024 positions (ART's logprob_calculation_chunk_size)
+    activations = (shape.layers * max_seq_length * shape.hidden * 2
+                   + max_seq_length * (3 * shape.intermediate + 4 * shape.hidden) * 2
+                   + 2 * 1024 * shape.vocab * 4) / GiB
+    trainer = four_bit + activations + TRAINER_FIXED_GIB + ASLEEP_GIB
+    return Estimate(weights, kv, vllm_need, gpu_memory_utilization * card_gib, trainer, weights + four_bit + 2)
+
+
+def default_local_model(card_gib: float, *, gpu_memory_utilization: float, max_seq_length: int,
+                        enforce_eager: bool) -> str:
+    """The largest Qwen2.5-Instruct that fits the card at these settings (the smallest if none does)."""
+    fitting = [name for name, shape in QWEN2_5.items()
+               if estimate(shape, card_gib, gpu_memory_utilization=gpu_memory_utilization,
+                           max_seq_length=max_seq_length, enforce_eager=enforce_eager).fits(card_gib)]
+    return fitting[-1] if fitting else next(iter(QWEN2_5))
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The --max-lora-rank vLLM must be started with to serve a LoRA of this rank (its default, 16, at least)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= max(rank, 16)), rank)
+
+
+def sizing_table(cards=(24, 40, 80), *, gpu_memory_utilization: float = 0.8, max_seq_length: int = 8192,
+                 enforce_eager: bool = False) -> list[str]:
+    """The README's table: each Qwen2.5 size, what it needs, and on which card it fits at these settings."""
+    rows = ["| base model | vLLM: bf16 weights + KV for 4 × 8k + overhead | trainer while training | fits "
+            + " / ".join(f"{c} GB" for c in cards) + " |", "|---|---|---|---|"]
+    for name, shape in QWEN2_5.items():
+        e = [estimate(shape, CARD_GIB[c], gpu_memory_utilization=gpu_memory_utilization,
+                      max_seq_length=max_seq_length, enforce_eager=enforce_eager) for c in cards]
+        overhead = VLLM_OVERHEAD_GIB + (0 if enforce_eager else CUDA_GRAPHS_GIB)
+        rows.append(f"| {name.removeprefix('Qwen/')} | {e[0].weights_bf16:.1f} + {4 * e[0].kv_per_sequence:.1f} + "
+                    f"{overhead:.1f} = {e[0].vllm_need:.1f} GiB | {e[0].trainer:.1f} GiB | "
+                    + " / ".join("yes" if x.fits(CARD_GIB[c]) else "no" for x, c in zip(e, cards)) + " |")
+    return rows
+
+
+# ---- what is missing --------------------------------------------------------------------------------------
+
+@dataclass
+class Readiness:
+    """What `train --preflight` prints about a backend before anything loads, and what stops it."""
+
+    backend: str
+    base_model: str
+    lines: list[str] = field(default_factory=list)  # facts: the model, the card, the estimate
+    missing: list[str] = field(default_factory=list)  # one sentence each, with the fix
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+    def report(self) -> list[str]:
+        return ([f"backend {self.backend}: {self.base_model}"] + [f"  {line}" for line in self.lines]
+                + [f"  missing: {m}" for m in self.missing] + ([] if self.missing else ["  nothing missing"]))
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def tinker_renderer(base_model: str) -> str | None:
+    """ART's own renderer lookup for Tinker (None: "Unknown base model"), read from the installed file so it runs
+    without the tinker extra (importing `art.tinker` needs fastapi, tinker and tinker_cookbook)."""
+    import art
+
+    path = Path(art.__file__).parent / "tinker" / "renderers.py"
+    spec = importlib.util.spec_from_file_location("_art_tinker_renderers", path)
+    renderers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(renderers)
+    try:
+        return renderers.get_renderer_name(base_model)
+    except ValueError:
+        return None
+
+
+def readiness(backend: str, cfg, gpu: GPU | None, environ=os.environ) -> Readiness:
+    """Everything that can be told before an ART backend starts: `cfg` is the training config (base_model set)."""
+    r = Readiness(backend, cfg.base_model)
+    if backend in ("local", "tinker", "serverless") and not installed("wandb"):
+        r.missing.append(f"wandb: ART 0.5.18 imports it at every training step of this backend, W&B or not: "
+                         f"pip install {WANDB_PIN}")
+    if backend == "local":
+        _local(r, cfg, gpu, environ)
+    elif backend == "tinker":
+        if not environ.get("TINKER_API_KEY"):
+            r.missing.append("TINKER_API_KEY: set it in the environment (it is never passed on the command line)")
+        if not (installed("tinker") and installed("tinker_cookbook") and installed("fastapi")):
+            r.missing.append("ART's tinker extra: pip install 'openpipe-art[tinker]==0.5.18'")
+        renderer = tinker_renderer(cfg.base_model)
+        if renderer is None:
+            r.missing.append(f"a base model Tinker's renderers know: ART 0.5.18 has none for {cfg.base_model} "
+                             f"(Llama 3, Qwen3 / Qwen3.x, Kimi K2, DeepSeek V3, gpt-oss); e.g. --base-model "
+                             f"{DEFAULT_MODELS['tinker']}")
+        else:
+            r.lines.append(f"Tinker renders it with {renderer}")
+    elif backend == "serverless":
+        if not environ.get("WANDB_API_KEY"):
+            r.missing.append("WANDB_API_KEY: W&B Training authenticates with it; set it in the environment")
+        if cfg.base_model not in SERVERLESS_MODELS:
+            r.lines.append(f"warning: {cfg.base_model} is not among the models ART 0.5.18 offers for Serverless "
+                           f"({', '.join(SERVERLESS_MODELS)}); W&B may refuse it")
+    return r
+
+
+def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
+    if not (installed("unsloth") and installed("trl")):
+        r.missing.append("ART's GPU extra (unsloth, trl): in a venv of its own, pip install -r requirements-gpu.txt")
+    if not (shutil.which("uv") or environ.get("ART_VLLM_RUNTIME_BIN")):
+        r.missing.append(f"uv: ART builds its vLLM runtime with it at the first start: pip install {UV_PIN} (or point "
+                         f"ART_VLLM_RUNTIME_BIN at a built runtime)")
+    if gpu is None:
+        r.missing.append("a CUDA GPU: torch sees none here; use --backend cpu, or run on a machine with one")
+    card = gpu.total_gib if gpu else CARD_GIB[NO_GPU_CARD_GB]
+    r.lines.append(f"GPU {gpu.name}: {gpu.total_gib:.1f} GiB, {gpu.free_gib:.1f} GiB free" if gpu else
+                   f"no GPU: sized for a {NO_GPU_CARD_GB} GB card")
+    rank = vllm_lora_rank(cfg.lora_rank)
+    r.lines.append(f"LoRA r={cfg.lora_rank}, alpha={cfg.lora_alpha}; vLLM started with --max-lora-rank {rank}")
+    if cfg.lora_rank > VLLM_LORA_RANKS[-1]:
+        r.missing.append(f"a LoRA rank vLLM can serve: at most {VLLM_LORA_RANKS[-1]}, not {cfg.lora_rank}")
+    shape = model_shape(cfg.base_model)
+    if shape is None:
+        r.lines.append(f"memory: not estimated (no config.json for {cfg.base_model} at hand)")
+        return
+    e = estimate(shape, card, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                 max_seq_length=cfg.max_seq_length, enforce_eager=cfg.enforce_eager)
+    r.lines.append(f"memory: vLLM needs {e.weights_bf16:.1f} GiB of bf16 weights + {MIN_FULL_SEQUENCES} x "
+                   f"{e.kv_per_sequence:.2f} GiB KV for {cfg.max_seq_length}-token sequences + overhead = "
+                   f"{e.vllm_need:.1f} GiB of its {e.vllm_share:.1f} GiB share (--gpu-memory-utilization "
+                   f"{cfg.gpu_memory_utilization:g}); the trainer needs {e.trainer:.1f} GiB while vLLM sleeps; "
+                   f"host memory {e.host:.0f} GiB")
+    smaller = default_local_model(card, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                  max_seq_length=cfg.max_seq_length, enforce_eager=cfg.enforce_eager)
+    if e.vllm_need > e.vllm_share:
+        room = math.ceil(e.vllm_need / card * 100) / 100
+        fix = (f"--gpu-memory-utilization {room:.2f}" if room <= 0.9 else
+               f"a smaller model (--base-model {smaller}) or a shorter --max-seq-length")
+        r.missing.append(f"GPU memory for vLLM: {e.vllm_need:.1f} GiB needed, {e.vllm_share:.1f} GiB given; use {fix}")
+    elif e.trainer > card:
+        r.missing.append(f"GPU memory for the trainer: {e.trainer:.1f} GiB needed, the card has {card:.1f}; use "
+                         f"--base-model {smaller} or a shorter --max-seq-length")
+    if gpu is not None and e.vllm_share + TRAINER_FIXED_GIB > gpu.free_gib:
+        r.missing.append(f"free GPU memory: {gpu.free_gib:.1f} GiB free, vLLM's share and the parked trainer take "
+                         f"{e.vllm_share + TRAINER_FIXED_GIB:.1f}; stop what else runs on the GPU (nvidia-smi) or "
+                         f"lower --gpu-memory-utilization")
+    try:
+        import psutil
+
+        host = psutil.virtual_memory().total / GiB
+        if host < e.host:
+            r.missing.append(f"host memory: {host:.0f} GiB, and a sleeping vLLM and the parked trainer keep "
+                             f"{e.host:.0f} GiB there; use a smaller --base-model")
+    except ImportError:
+        pass
+
+
+# ---- a guard for ART 0.5.18 ---------------------------------------------------------------------------------
+
+DENSE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def allow_art_without_megatron() -> None:
+    """ART 0.5.18's `art.dev.get_model_config` (which LocalBackend and the Tinker backend call when they start)
+    imports `art.megatron.model_support`, whose handlers import megatron.core and megatron.bridge at module level:
+    neither is in ART's [backend] extra, and megatron-bridge pins transformers<5 against ART's 5.2.0. Without
+    them the first `register` fails with "No module named 'megatron'" (fixed upstream after 0.5.18, OpenPipe/ART
+    PR #706). Where megatron is not installed, this puts in its place the one function get_model_config uses,
+    with ART's target modules for dense models (Qwen2.5, Llama, Qwen3 dense): its registry needs megatron only
+    for Qwen3.5 and mixture-of-experts models, which it refuses here with a clear error."""
+    name = "art.megatron.model_support"
+    if name in sys.modules or installed("megatron"):
+        return
+
+    def default_target_modules_for_model(base_model: str, *, allow_unvalidated_arch: bool = False) -> list[str]:
+        lowered = base_model.lower()
+        if "qwen3.5" in lowered or "qwen3_5" in lowered or "-a3b" in lowered or "moe" in lowered:
+            raise RuntimeError(f"{base_model} needs ART's megatron model support (pip install "
+                               f"'openpipe-art[megatron]==0.5.18'); the dense models this tool defaults to do not")
+        return list(DENSE_TARGET_MODULES)
+
+    module = types.ModuleType(name, "Stand-in for ART 0.5.18's model support where megatron is not installed.")
+    module.default_target_modules_for_model = default_target_modules_for_model
+    sys.modules[name] = module

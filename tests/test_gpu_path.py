@@ -1,0 +1,147 @@
+"""The GPU path, proven on CPU with ART 0.5.18's own code: every sequence a backend trains on is the prompt the
+server rendered plus the ids it sampled, turn after turn; the warm start teaches tool calls the agent's parser
+reads. Both with SmolLM2's template (the CPU backend's) and a Qwen2.5-style hermes template (the GPU default's
+family), through ART's real tokenizer called as LocalBackend calls it. The raw groups, as the loop handed them to
+LocalBackend before `training_data` existed, fail the same checks: the tests say so."""
+
+import asyncio
+import copy
+import re
+
+import art
+import pytest
+from art.local import LocalBackend
+from art.preprocessing.tokenize import (_messages_for_chat_template, _normalize_tools_for_chat_template,
+                                        tokenize_trajectory_groups)
+from openai import AsyncOpenAI
+from transformers import AutoTokenizer
+
+from email_agent import backends, training_data
+from email_agent import questions as qmod
+from email_agent.backends.cpu import parse_tool_calls
+from email_agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.sft import expert_trajectories
+from email_agent.tools import parse_arguments
+from scripted_server import ScriptedServer, as_vllm_renders, call, expert_script
+
+import train_email_search_agent as cli
+
+PLAYS = ("solves", "errs", "abstains", "chats")  # one group per question: a rollout of each
+
+
+def scripts_for(q) -> dict:
+    solve = expert_script(q)
+    return {
+        "solves": solve,  # search, read, answer: three turns
+        "errs": [call("search_inbox", {"keywords": "one string"}), *solve],  # a tool error, then the solution
+        "abstains": [call("search_inbox", {"keywords": ["zebra", "quartz"]}),
+                     call("return_final_answer", {"answer": "I don't know", "sources": []})],
+        "chats": [{"text": "Let me look."}, call("return_final_answer", {"answer": "Tuesday", "sources": []})],
+    }
+
+
+@pytest.fixture(params=["smollm2", "qwen2.5-style"])
+def tokenizer(request, smollm2_tokenizer, qwen_style_model_dir):
+    return smollm2_tokenizer if request.param == "smollm2" else AutoTokenizer.from_pretrained(qwen_style_model_dir)
+
+
+def play(tokenizer, db, questions):
+    """Each question's group, played through the real rollout against a server that renders and samples as vLLM."""
+    scripts = {name: {q.question: scripts_for(q)[name] for q in questions} for name in PLAYS}
+
+    async def go():
+        async with ScriptedServer(scripts, tokenizer=tokenizer) as server:
+            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
+            groups = [art.TrajectoryGroup([await rollout(Policy(client, name), q, db, RolloutConfig(max_turns=5))
+                                           for name in PLAYS]) for q in questions]
+            await client.close()
+            return groups, server.served
+
+    return asyncio.run(go())
+
+
+def local_backend_tool_format(tmp_path) -> str:
+    """The tool-schema format ART's LocalBackend tokenizes with, for the settings this project gives it."""
+    return LocalBackend(path=str(tmp_path))._chat_template_tool_schema_format(
+        backends.internal_config(cli.TrainConfig()))
+
+
+def expected(result, served, questions) -> tuple[list[int], list[int]]:
+    """The sequence the policy was served for this trajectory (its last prompt plus the ids sampled for it, each
+    earlier turn a prefix of it) and its mask of sampled positions."""
+    question = next(q.question for q in questions if q.id == result.trajectory.metadata["question_id"])
+    turns = [r for r in served if r["question"] == question and r["model"] == result.trajectory.metadata["policy"]]
+    sequence = turns[-1]["prompt_ids"] + turns[-1]["sampled_ids"]
+    mask = [0] * len(sequence)
+    for turn in turns:
+        start, end = len(turn["prompt_ids"]), len(turn["prompt_ids"]) + len(turn["sampled_ids"])
+        assert sequence[:end] == turn["prompt_ids"] + turn["sampled_ids"], "an earlier turn is not a prefix"
+        mask[start:end] = [1] * (end - start)
+    return sequence, mask
+
+
+def test_every_trained_sequence_is_what_the_policy_was_served(tokenizer, demo_db, tmp_path):
+    questions = qmod.select_questions(demo_db, "train", seed=0)[:2]
+    groups, served = play(tokenizer, demo_db, questions)
+    assert [t.metrics["num_turns"] for t in groups[0].trajectories] == [3, 4, 2, 2]
+    assert groups[0].trajectories[1].metrics["bad_tool_args"] == 1  # the tool error happened
+    assert len({t.reward for t in groups[0].trajectories}) > 1  # so ART trains every rollout
+    tool_format = local_backend_tool_format(tmp_path)
+    assert tool_format == "vllm_openai"
+
+    form = training_data.argument_form(tokenizer.chat_template)
+    results = list(tokenize_trajectory_groups(tokenizer, training_data.for_grpo(groups, form), False, True,
+                                              chat_template_tool_schema_format=tool_format))
+    assert len(results) == 8
+    for result in results:
+        sequence, mask = expected(result, served, questions)
+        assert result.token_ids == sequence
+        assert result.assistant_mask == mask
+    # ART re-validates the tools (pydantic stores {"function", "type"}) before it renders them: only the
+    # vllm_openai format, which internal_config gives LocalBackend and the CPU trainer passes, renders the tool
+    # block the policy saw, whatever order the loop hands them in
+    default = tokenize_trajectory_groups(tokenizer, training_data.for_grpo(groups, form), False, True)
+    assert all(r.token_ids != expected(r, served, questions)[0] for r in default)
+    # `sequence_tokens`, what the step line counts too-long trajectories by, is that length
+    assert sorted(len(r.token_ids) for r in results) == sorted(t.metrics["sequence_tokens"]
+                                                               for g in groups for t in g.trajectories)
+
+    raw = list(tokenize_trajectory_groups(tokenizer, groups, False, True, chat_template_tool_schema_format=tool_format))
+    wrong = [r for r in raw if r.token_ids != expected(r, served, questions)[0]]
+    assert len(wrong) >= 6  # every multi-turn rollout: each sampled call rendered again after its tokens
+    assert any(tokenizer.decode(r.token_ids).count('<tool_call>\n{"name": "search_inbox"') >= 2 for r in wrong)
+
+
+def test_warm_start_teaches_what_vllm_shows_and_calls_the_parser_reads(tokenizer, demo_db):
+    """ART renders warm-start episodes with the model's template (tokenize_sft_batch's own helpers, below). The
+    rendered conversation must be the one vLLM shows the model, and each assistant turn a tool call whose
+    arguments `tools.parse_arguments` accepts. Qwen2.5's template puts `arguments | tojson` on the episodes'
+    JSON strings, encoding them twice, unless the loop hands it objects (`training_data.for_sft`)."""
+    questions = qmod.select_questions(demo_db, "train", seed=0)[:6]
+    episodes = asyncio.run(expert_trajectories(demo_db, questions, RolloutConfig()))
+    assert episodes
+    form = training_data.argument_form(tokenizer.chat_template)
+    qwen_style = "is string" not in tokenizer.chat_template
+    assert form == ("object" if qwen_style else "string")
+
+    def rendered(trajectory):
+        messages = _messages_for_chat_template(tokenizer, trajectory.messages_and_choices)
+        tools = _normalize_tools_for_chat_template(trajectory.tools, tool_schema_format="vllm_openai")
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+
+    def parsed_calls(text):
+        spans = re.findall(r"<\|im_start\|>assistant\n(.*?)<\|im_end\|>", text, re.S)
+        calls = [c["function"] for span in spans for c in parse_tool_calls(span)[1]]
+        assert len(calls) == len(spans) >= 2
+        return [parse_arguments(c["name"], c["arguments"]) for c in calls]
+
+    for trajectory in training_data.for_sft(episodes, form):
+        text = rendered(trajectory)
+        messages = [m for m in _messages_for_chat_template(tokenizer, copy.deepcopy(
+            next(e for e in episodes if e.metadata == trajectory.metadata).messages_and_choices))]
+        as_served = tokenizer.apply_chat_template(*as_vllm_renders(messages, trajectory.tools), tokenize=False)
+        assert text == as_served
+        assert all(isinstance(args, dict) for args in parsed_calls(text))
+    if qwen_style:
+        with pytest.raises(ValueError, match="must be a JSON object"):
+            parsed_calls(rendered(episodes[0]))  # the episodes as they were handed over before
