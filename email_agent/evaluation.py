@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -165,24 +166,36 @@ async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str, opt
     return AsyncOpenAI(base_url=base_url, api_key="local", timeout=options.timeout, max_retries=2)
 
 
+# The ART models registered per evaluation (one AsyncExitStack): several steps of one run share its backend,
+# where each would otherwise start its own trainer and vLLM on the same GPU.
+_REGISTERED: "weakref.WeakKeyDictionary[contextlib.AsyncExitStack, dict]" = weakref.WeakKeyDictionary()
+
+
 async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, timeout: float):
     """A run trained on an ART backend, served by that backend: register a model of the same name, project
-    and folder (as training does), then ask for the step. Returns (client, label, served model name)."""
+    and folder (as training does), then ask for the step. Returns (client, label, served model name).
+    A second step of the same run is served by the backend the first one started."""
     import art
     from openai import AsyncOpenAI
 
     from . import backends
 
-    cfg = SimpleNamespace(**{**run.config, "art_dir": run.art_dir})
+    registered = _REGISTERED.setdefault(stack, {})
     try:
-        backend = backends.make_backend(run.backend, cfg)
-    except backends.BackendError as exc:
-        raise DataError(cannot_serve(run, step, str(exc))) from None
-    stack.push_async_callback(backend.close)
-    model = art.TrainableModel(name=run.name, project=run.project, base_model=run.base_model, base_path=run.art_dir,
-                               _internal_config=backends.internal_config(cfg) if run.backend == "local" else None)
-    try:
-        await model.register(backend)
+        model = registered.get(run.path)
+        if model is None:
+            cfg = SimpleNamespace(**{**run.config, "art_dir": run.art_dir})
+            backends.hide_wandb_key(run.backend, wandb=False)  # ART would start a W&B run to serve it
+            try:
+                backend = backends.make_backend(run.backend, cfg)
+            except backends.BackendError as exc:
+                raise DataError(cannot_serve(run, step, str(exc))) from None
+            stack.push_async_callback(backend.close)
+            model = art.TrainableModel(
+                name=run.name, project=run.project, base_model=run.base_model, base_path=run.art_dir,
+                _internal_config=backends.internal_config(cfg) if run.backend == "local" else None)
+            await model.register(backend)
+            registered[run.path] = model
         latest = await model.get_step()
         wanted = latest if step in ("", "latest") else int(step)
         if run.backend == "local" and wanted != latest:

@@ -6,7 +6,8 @@ import pytest
 
 from email_agent import questions as qmod
 from scripted_server import call, expert_script, serve_in_thread
-from test_evaluate import GPU_SHAPE, ServingBackend, make_gpu_run
+from art_doubles import on_a_gpu_machine
+from test_evaluate import GPU_SHAPE, make_gpu_run
 
 import train_email_search_agent as cli
 
@@ -71,8 +72,7 @@ def test_ask_without_model_uses_the_most_recent_run_and_its_shape(demo_db_path, 
     assert "no trained run under" in err and "--model" in err and "base" in err and "Traceback" not in err
 
     make_gpu_run(tmp_path / "art")
-    with serve_in_thread({q.question: expert_script(q)}) as server:
-        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
+    with on_a_gpu_machine(monkeypatch, {q.question: expert_script(q)}) as (_, server, _):
         assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--art-dir", tmp_path / "art",
                    "--json") == 0
         policy_requests = [r for r in server.requests if r.get("tools")]

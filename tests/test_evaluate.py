@@ -13,6 +13,7 @@ from email_agent import evaluation, runs
 from email_agent import questions as qmod
 from email_agent.data import DataError
 from email_agent.rewards import JUDGE_PROBE, judge_request
+from art_doubles import GPUService, on_a_gpu_machine
 from scripted_server import call, expert_script, serve_in_thread
 
 import test_email_search_agent as evaluate
@@ -322,28 +323,6 @@ def test_partial_failures_alone_exit_zero(demo_db_path, demo_questions, tmp_path
 
 # ---- a run is served by the backend it was trained on, with the shape it was trained with -------------
 
-class ServingBackend:
-    """Stands in for ART's LocalBackend at evaluation: 'serves' the scripted server, latest step 2."""
-
-    def __init__(self, base_url, name, cfg):
-        self.base_url, self.name, self.cfg, self.model, self.closed = base_url, name, cfg, None, False
-
-    async def register(self, model):
-        self.model = model
-
-    async def _prepare_backend_for_training(self, model, config):
-        return self.base_url, "served-key"
-
-    def _model_inference_name(self, model, step=None):
-        return f"{model.name}@{2 if step is None else step}"
-
-    async def _get_step(self, model):
-        return 2
-
-    async def close(self):
-        self.closed = True
-
-
 GPU_SHAPE = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
 
 
@@ -360,25 +339,20 @@ def make_gpu_run(art_dir, name="gpu"):
 
 
 def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_questions, tmp_path, monkeypatch):
-    from email_agent import backends
-
     run = make_gpu_run(tmp_path / "art")
-    made = []
     scripts = {q.question: expert_script(q) for q in demo_questions[:2]}
-    with serve_in_thread(scripts) as server:
-        monkeypatch.setattr(backends, "make_backend",
-                            lambda name, cfg: made.append(ServingBackend(server.base_url, name, cfg)) or made[-1])
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
+    with on_a_gpu_machine(monkeypatch, scripts) as (made, server, wandb_runs):
         rc = run_cli("--db", demo_db_path, "--model", "gpu@1", "--model", "hosted_vllm/expert", "--base-url",
                      server.base_url, "--limit", 2, "--output", tmp_path / "out", "--art-dir", tmp_path / "art",
                      "--concurrency", 3)
         requests, adapters = list(server.requests), list(server.adapters)
-    assert rc == 0
+    assert rc == 0 and wandb_runs == []  # serving a run starts no W&B run
     (backend,) = made
-    assert backend.name == "local" and backend.closed and backend.cfg.art_dir == str(tmp_path / "art")
-    model = backend.model
-    assert (model.name, model.project, model.base_model, model.base_path) == (
-        "gpu", "email-agent", "Qwen/Qwen2.5-7B-Instruct", str(tmp_path / "art"))
-    assert model._internal_config["engine_args"]["gpu_memory_utilization"] == 0.6
+    assert backend.closed and backend._path == str(tmp_path / "art")
+    (service,) = GPUService.made
+    assert service.config["engine_args"]["gpu_memory_utilization"] == 0.6  # the run's own settings, through ART
+    assert service.config["init_args"]["max_seq_length"] == 4096
     # Step 1 is not the latest (2): its LoRA is loaded into vLLM by name, as ART does after a training step.
     assert adapters == [{"lora_name": "gpu@1", "lora_path": str((run / "checkpoints" / "0001").resolve()),
                          "load_inplace": True}]
@@ -396,13 +370,25 @@ def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_que
     assert [(p["a"], p["b"]) for p in summary["pairs"]] == [("gpu@1", "hosted_vllm/expert")]
 
 
+def test_two_steps_of_one_gpu_run_share_one_backend(demo_db_path, demo_questions, tmp_path, monkeypatch):
+    """Each ART backend starts a trainer and a vLLM on the GPU: two steps of one run must not start two."""
+    run = make_gpu_run(tmp_path / "art")
+    with on_a_gpu_machine(monkeypatch, {q.question: expert_script(q) for q in demo_questions[:2]}) as (made, server, _):
+        rc = run_cli("--db", demo_db_path, "--model", "gpu@1", "--model", "gpu", "--limit", 2,
+                     "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
+        requests, adapters = list(server.requests), list(server.adapters)
+    assert rc == 0
+    assert len(made) == 1 and len(GPUService.made) == 1
+    assert [a["lora_name"] for a in adapters] == ["gpu@1"]
+    assert {r["model"] for r in requests if r.get("tools")} == {"gpu@1", "gpu@2"}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert sorted(summary["models"]) == ["gpu@1", "gpu@2"] and summary["models"]["gpu@2"]["n"] == 2
+
+
 def test_flags_override_the_run_shape_and_the_latest_step_needs_no_adapter_load(demo_db_path, demo_questions,
                                                                                tmp_path, monkeypatch):
-    from email_agent import backends
-
     make_gpu_run(tmp_path / "art")
-    with serve_in_thread({q.question: expert_script(q) for q in demo_questions[:1]}) as server:
-        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
+    with on_a_gpu_machine(monkeypatch, {q.question: expert_script(q) for q in demo_questions[:1]}) as (_, server, _):
         assert run_cli("--db", demo_db_path, "--model", "gpu@latest", "--max-tokens", 99, "--limit", 1,
                        "--output", tmp_path / "out", "--art-dir", tmp_path / "art") == 0
         assert server.adapters == []
@@ -505,8 +491,6 @@ def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path
 
 
 def test_no_model_evaluates_the_most_recent_run(demo_db_path, demo_questions, tmp_path, monkeypatch, capsys):
-    from email_agent import backends
-
     assert run_cli("--db", demo_db_path, "--art-dir", tmp_path / "empty", "--output", tmp_path / "none") == 1
     assert "no trained run under" in capsys.readouterr().err
     make_gpu_run(tmp_path / "art", name="older")
@@ -515,8 +499,7 @@ def test_no_model_evaluates_the_most_recent_run(demo_db_path, demo_questions, tm
     config = json.loads((tmp_path / "art" / "email-agent" / "models" / "newer" / "run_config.json").read_text())
     (tmp_path / "art" / "email-agent" / "models" / "newer" / "run_config.json").write_text(
         json.dumps({**config, "db": str(demo_db_path)}))
-    with serve_in_thread({q.question: expert_script(q) for q in demo_questions[:1]}) as server:
-        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: ServingBackend(server.base_url, name, cfg))
+    with on_a_gpu_machine(monkeypatch, {q.question: expert_script(q) for q in demo_questions[:1]}):
         # no --db either: the run's own database
         assert run_cli("--limit", 1, "--output", tmp_path / "out", "--art-dir", tmp_path / "art") == 0
     assert json.loads((tmp_path / "out" / "results.jsonl").read_text())["model"] == "newer@2"

@@ -18,7 +18,8 @@ from conftest import ROOT
 from email_agent import backends, preflight
 from email_agent import questions as qmod
 from email_agent.rollout import Policy, RolloutConfig, rollout
-from scripted_server import ScriptedServer, call, expert_script, serve_in_thread
+from art_doubles import on_a_gpu_machine
+from scripted_server import ScriptedServer, call, expert_script
 
 import train_email_search_agent as cli
 
@@ -161,30 +162,28 @@ def test_no_rollouts_at_all():
 
 # ---- the train loop: verdict on the first step, shares on every step, preflight trains nothing -----------
 
-def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, **overrides):
-    from test_train import RecordingBackend
-
+def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, base_model, **overrides):
+    """The train loop on ART's LocalBackend (its GPU service stubbed: art_doubles) with a scripted policy."""
     made = {}
-    with serve_in_thread(scripts) as server:
-        def fake_make_backend(name, cfg):
-            made["backend"] = RecordingBackend(server.base_url, name=name)
-            return made["backend"]
-
-        monkeypatch.setattr(backends, "cuda_available", lambda: True)
-        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
+    with on_a_gpu_machine(monkeypatch, scripts) as (backends_made, server, _):
         overrides = {k: v(server.base_url) if callable(v) else v for k, v in overrides.items()}  # e.g. a judge URL
         cfg = cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0, train_limit=4,
-                              groups_per_step=2, rollouts_per_group=2, eval_every=100, **overrides)
-        asyncio.run(cli.train(cfg))
-        made["requests"] = list(server.requests)
+                              groups_per_step=2, rollouts_per_group=2, eval_every=100, base_model=str(base_model),
+                              **overrides)
+        try:
+            asyncio.run(cli.train(cfg))
+        finally:
+            made["backend"] = backends_made[-1] if backends_made else None
+            made["requests"] = list(server.requests)
     return made
 
 
-def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, tmp_path, monkeypatch, qs, capsys):
+def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, qs,
+                                              capsys):
     # the scripted server sends no logprobs: every step trains on nothing, and the loop says so
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
     made = run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
-                    max_steps=3)
+                    qwen_style_model_dir, max_steps=3)
     out, err = capsys.readouterr()
     assert len(made["backend"].train_calls) == 3
     assert "trainable groups     0/2" in out and "warning: cannot learn: no assistant turn has logprobs" in out
@@ -192,23 +191,23 @@ def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, tmp_path, 
     assert out.count("preflight: 2 groups x 2 rollouts") == 1  # the verdict comes with the first step only
     assert "3 steps in a row trained on nothing: the policy's replies carry no logprobs" in err
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
-    rows = [row for row in history if "train/loss" in row]
+    rows = [row for row in history if "data/step_trainer_tokens" in row]  # ART's own record of each step
     assert [row["train/trainable_group_share"] for row in rows] == [0.0, 0.0, 0.0]
     assert [row["train/trained_token_share"] for row in rows] == [0.0, 0.0, 0.0]
 
 
-def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, tmp_path, monkeypatch, capsys):
+def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, capsys):
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
     with pytest.raises(cli.DataError, match="^cannot learn: no assistant turn has logprobs"):
         run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
-                 preflight=True, sft_from="demo-expert")
+                 qwen_style_model_dir, preflight=True, sft_from="demo-expert")
     assert "preflight: 2 groups x 2 rollouts" in capsys.readouterr().out
     run = tmp_path / "email-agent/models/h"
     assert not run.exists()  # a preflight of a new run leaves no run behind (registering wrote its model.json)
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)  # a run that exists
     with pytest.raises(cli.DataError, match="^cannot learn"):
         run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
-                 preflight=True, sft_from="demo-expert")
+                 qwen_style_model_dir, preflight=True, sft_from="demo-expert")
     assert not (run / "history.jsonl").exists() and not (run / "state.json").exists()  # nothing marked done
     assert not (run / "run_config.json").exists() and (run / "checkpoints").is_dir()  # nor saved, nor deleted
     with pytest.raises(cli.DataError, match="--preflight with --fresh would delete"):

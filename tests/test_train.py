@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT
 from email_agent import backends, runs
+from art_doubles import GPUService, half_solve, on_a_gpu_machine
 from scripted_server import call, expert_script, serve_in_thread
 
 import test_email_search_agent as evaluate_cli
@@ -171,111 +172,90 @@ def test_demo_preset_and_explicit_flags():
 
 # ---- GPU and remote backends: wiring only (no GPU here) ---------------------------------------------
 
-class RecordingBackend:
-    """Stands in for ART's LocalBackend: serves the scripted policy and records what the loop passes."""
-
-    def __init__(self, base_url, **kwargs):
-        self.base_url, self.kwargs, self.train_calls, self.step, self.closed = base_url, kwargs, [], 0, False
-        self.model = None
-
-    async def register(self, model):
-        self.model = model
-
-    async def _prepare_backend_for_training(self, model, config):
-        return self.base_url, "key"
-
-    def _model_inference_name(self, model, step=None):
-        return f"{model.name}@{self.step if step is None else step}"
-
-    async def _get_step(self, model):
-        return self.step
-
-    async def train(self, model, groups, **kwargs):
-        from art.types import TrainResult
-
-        self.train_calls.append((model, list(groups), kwargs))
-        self.step += 1
-        return TrainResult(step=self.step, metrics={"loss": 0.5})
-
-    async def _delete_checkpoint_files(self, model, steps_to_keep):
-        pass
-
-    async def close(self):
-        self.closed = True
-
-
-def train_on_scripts(scripts: dict, monkeypatch, **config) -> RecordingBackend:
-    """cli.train as on a GPU machine: the policy a scripted server (question -> tool calls), the backend recording."""
-    made = {}
-    with serve_in_thread(scripts) as server:
-        def fake_make_backend(name, cfg):
-            made["backend"] = RecordingBackend(server.base_url, name=name)
-            return made["backend"]
-
-        monkeypatch.setattr(backends, "cuda_available", lambda: True)
-        monkeypatch.setattr(backends, "make_backend", fake_make_backend)
+def train_on_scripts(scripts: dict, monkeypatch, tokenizer=None, **config):
+    """cli.train as on a GPU machine: ART's LocalBackend with its GPU service stubbed (art_doubles), the policy a
+    scripted server (question -> tool calls). Returns (the backend, the server, W&B runs ART would have started)."""
+    with on_a_gpu_machine(monkeypatch, scripts, tokenizer) as (made, server, wandb_runs):
         asyncio.run(cli.train(cli.TrainConfig(**config)))
-    return made["backend"]
+    (backend,) = made
+    return backend, server, wandb_runs
 
 
-def test_local_backend_wiring(demo_db, demo_db_path, tmp_path, monkeypatch, capfd):
+def test_local_backend_wiring(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, capfd):
+    """The loop through ART's own LocalBackend: its settings reach ART's get_model_config, ART tokenizes and packs
+    the groups the loop hands it (sampled tokens, with logprobs), its metric keys reach the step line."""
+    from art.local import LocalBackend
+    from transformers import AutoTokenizer
+
     from email_agent import questions
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:6]
-    backend = train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch,
-                               name="gpu", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=4,
-                               groups_per_step=2, rollouts_per_group=2, max_steps=2, eval_every=1,
-                               learning_rate=3e-6, advantage_balance=0.5, scale_rewards=False,
-                               gpu_memory_utilization=0.6, enforce_eager=True, max_num_seqs=16, max_seq_length=4096,
-                               lora_rank=16, lora_alpha=32)
-    assert backend.kwargs == {"name": "local"} and backend.closed
-    model = backend.model
-    assert model.base_model == "Qwen/Qwen2.5-7B-Instruct" and model.name == "gpu" and model.base_path == str(tmp_path)
-    assert model._internal_config == {
-        "init_args": {"max_seq_length": 4096},
-        "engine_args": {"gpu_memory_utilization": 0.6, "enforce_eager": True, "max_num_seqs": 16,
-                        "max_model_len": 4096},
-        "peft_args": {"r": 16, "lora_alpha": 32}}
-    assert len(backend.train_calls) == 2
-    for _, groups, kwargs in backend.train_calls:
-        assert kwargs == {"learning_rate": 3e-6, "advantage_balance": 0.5, "scale_rewards": False}
-        assert len(groups) == 2 and all(len(g.trajectories) == 2 for g in groups)
-        assert all(t.metrics["answer_correct"] == 1 for g in groups for t in g.trajectories)
-    history = [json.loads(line) for line in (tmp_path / "email-agent/models/gpu/history.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in history if "train/loss" in row] == [1, 2]
+    tokenizer = AutoTokenizer.from_pretrained(qwen_style_model_dir)
+    backend, server, wandb_runs = train_on_scripts(
+        {q.question: half_solve(q) for q in qs}, monkeypatch, tokenizer, name="gpu", art_dir=str(tmp_path),
+        db=str(demo_db_path), val_size=2, train_limit=4, groups_per_step=2, rollouts_per_group=2, max_steps=2,
+        eval_every=1, learning_rate=3e-6, advantage_balance=0.5, scale_rewards=False, gpu_memory_utilization=0.6,
+        enforce_eager=True, max_num_seqs=16, max_seq_length=4096, lora_rank=32, lora_alpha=64,
+        base_model=str(qwen_style_model_dir))
+    assert isinstance(backend, LocalBackend) and backend.closed and wandb_runs == []
+    (service,) = GPUService.made
+    # what ART's get_model_config made of the run's settings: what unsloth and vLLM would be started with
+    assert service.config["init_args"]["max_seq_length"] == 4096
+    assert service.config["peft_args"]["r"] == 32 and service.config["peft_args"]["lora_alpha"] == 64
+    assert {k: service.config["engine_args"][k] for k in ("gpu_memory_utilization", "enforce_eager", "max_num_seqs",
+                                                          "max_model_len", "max_lora_rank", "enable_sleep_mode")} == {
+        "gpu_memory_utilization": 0.6, "enforce_eager": True, "max_num_seqs": 16, "max_model_len": 4096,
+        "max_lora_rank": 32, "enable_sleep_mode": True}  # vLLM's default rank, 16, would refuse this LoRA
+    # ART tokenized and packed what the policy sampled: the trained tokens are the sampled ones
+    assert len(service.packed) == 2
+    sampled = [len(r["sampled_ids"]) for r in server.served]
+    assert all(int(p["assistant_mask"].sum()) > 0 for p in service.packed)
+    assert sum(int(p["assistant_mask"].sum()) for p in service.packed) <= sum(sampled)
+    out = capfd.readouterr()
+    run_dir = tmp_path / "email-agent/models/gpu"
+    assert (run_dir / "model.json").exists()  # LocalBackend.register wrote it
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    steps = [row for row in history if "loss/train" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    assert all(row["data/step_trainer_tokens"] == int(p["assistant_mask"].sum())
+               for row, p in zip(steps, service.packed))
+    assert all(row["train/trained_token_share"] == 1.0 and row["train/trainable_group_share"] == 1.0 for row in steps)
+    assert re.search(r"^step\s+1 .* loss \+0\.2500 +trained on 100% of groups, 100% of tokens", out.out, re.M)
     assert any(row.get("val/answer_correct") == 1.0 for row in history)
     # The validation bar, like the training bar, shows a few running metrics, not the whole rubric.
-    bars = [seg for seg in re.split(r"[\r\n]", capfd.readouterr().err) if seg.startswith(("validate", "step "))]
+    bars = [seg for seg in re.split(r"[\r\n]", out.err) if seg.startswith(("validate", "step "))]
     assert any(seg.startswith("validate") and "reward=" in seg for seg in bars)
     assert all(seg.count("=") <= 4 for seg in bars), max(bars, key=lambda seg: seg.count("="))
 
 
-def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_path, tmp_path, monkeypatch):
+def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_path, qwen_style_model_dir, tmp_path,
+                                                               monkeypatch):
     from email_agent import questions
 
     wrong = [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})]  # no search: no partial credit
-    backend = train_on_scripts({q.question: wrong for q in questions.select_questions(demo_db, "train", seed=0)},
-                               monkeypatch, name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2,
+    backend, _, _ = train_on_scripts({q.question: wrong for q in questions.select_questions(demo_db, "train", seed=0)},
+                                     monkeypatch, name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2,
                                train_limit=2, groups_per_step=2, rollouts_per_group=2, max_steps=1, eval_every=1,
-                               hallucination_penalty=2.5)
-    rewards = [t.reward for _, groups, _ in backend.train_calls for g in groups for t in g.trajectories]
+                               hallucination_penalty=2.5, base_model=str(qwen_style_model_dir))
+    rewards = [t.reward for groups, _ in backend.train_calls for g in groups for t in g.trajectories]
     assert rewards and all(r == pytest.approx(-2.5) for r in rewards)
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
     assert [row["val/reward"] for row in history if "val/reward" in row] == [pytest.approx(-2.5)] * 2
 
 
-def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, demo_db_path, tmp_path, monkeypatch,
-                                                                     capsys):
+def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, demo_db_path, qwen_style_model_dir,
+                                                                     tmp_path, monkeypatch, capsys):
     from email_agent import questions
 
     train = questions.select_questions(demo_db, "train", seed=0)[2:4]  # after 2 validation questions
     idk = [call("search_inbox", {"keywords": ["zebra"]}),  # a search that ran: the abstention is a sound one
            call("return_final_answer", {"answer": "I don't know", "sources": []})]
-    backend = train_on_scripts({q.question: idk for q in train}, monkeypatch, name="u", art_dir=str(tmp_path),
+    backend, _, _ = train_on_scripts({q.question: idk for q in train}, monkeypatch, name="u", art_dir=str(tmp_path),
                                db=str(demo_db_path), val_size=2, train_limit=2, unanswerable_share=0.5,
-                               groups_per_step=4, rollouts_per_group=2, max_steps=1, eval_every=1)
+                               groups_per_step=4, rollouts_per_group=2, max_steps=1, eval_every=1,
+                               base_model=str(qwen_style_model_dir))
     assert "2 train (+2 asked before their answer arrived)" in capsys.readouterr().err
-    [(_, groups, _)] = backend.train_calls
+    [(groups, _)] = backend.train_calls
     by_id = {g.trajectories[0].metadata["question_id"]: g for g in groups}
     assert sorted(map(str, by_id)) == sorted([str(q.id) for q in train] + [f"{q.id}-withheld" for q in train])
     for q in train:  # the replay's "today" is before its gold email, so no search can show it
@@ -332,9 +312,7 @@ def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
     assert EpisodeShape.from_run_config({}) == EpisodeShape()
 
 
-def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, tmp_path, monkeypatch):
-    import art
-
+def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch):
     from email_agent import questions, tracing
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:3]
@@ -348,16 +326,35 @@ def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, tmp_pa
 
     monkeypatch.setattr(tracing, "traced_rollout", fake_traced)
     monkeypatch.setattr(cli, "wandb_installed", lambda: True)
-    monkeypatch.setattr(art.Model, "_get_wandb_run", lambda self: None)  # W&B metrics are ART's business (and
-    # the wandb package is not installed here); this test is about the Weave traces
-    with serve_in_thread({q.question: expert_script(q) for q in qs}) as server:
-        monkeypatch.setattr(backends, "cuda_available", lambda: True)
-        monkeypatch.setattr(backends, "make_backend", lambda name, cfg: RecordingBackend(server.base_url))
-        cfg = cli.TrainConfig(name="w", art_dir=str(tmp_path), db=str(demo_db_path), val_size=1, train_limit=2,
-                              groups_per_step=1, rollouts_per_group=2, max_steps=1, eval_every=5, wandb=True,
-                              project="p")
-        asyncio.run(cli.train(cfg))
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
+    train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="w", art_dir=str(tmp_path),
+                     db=str(demo_db_path), val_size=1, train_limit=2, groups_per_step=1, rollouts_per_group=2,
+                     max_steps=1, eval_every=5, wandb=True, project="p", base_model=str(qwen_style_model_dir))
     assert traced == ["p", "p"]  # both rollouts of the one training group went through the traced function
+
+
+def test_no_wandb_run_without_the_flag_even_with_a_key(demo_db, demo_db_path, qwen_style_model_dir, tmp_path,
+                                                       monkeypatch, capsys):
+    """ART 0.5.18's LocalBackend starts a W&B run at register and at every train whenever WANDB_API_KEY is set,
+    whatever report_metrics says; without --wandb the run must not start one."""
+    from email_agent import questions
+
+    qs = questions.select_questions(demo_db, "train", seed=0)[:3]
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
+    _, _, wandb_runs = train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="nw",
+                                        art_dir=str(tmp_path), db=str(demo_db_path), val_size=1, train_limit=2,
+                                        groups_per_step=1, rollouts_per_group=2, max_steps=1, eval_every=5,
+                                        base_model=str(qwen_style_model_dir))
+    assert wandb_runs == []
+    err = capsys.readouterr().err
+    assert "W&B: off (no --wandb)" in err and "wandb-test-key" not in err
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
+    monkeypatch.setattr(cli, "wandb_installed", lambda: True)
+    _, _, wandb_runs = train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="yw",
+                                        art_dir=str(tmp_path), db=str(demo_db_path), val_size=1, train_limit=2,
+                                        groups_per_step=1, rollouts_per_group=2, max_steps=1, eval_every=5,
+                                        wandb=True, base_model=str(qwen_style_model_dir))
+    assert wandb_runs and set(wandb_runs) == {"yw"}  # with --wandb, ART's own W&B run, as before
 
 
 def test_wandb_without_the_package_is_a_clear_error(demo_db_path, tmp_path, monkeypatch, capsys):
@@ -563,7 +560,8 @@ def test_a_backend_that_cannot_start_saves_no_run(demo_db_path, tmp_path, monkey
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
     code = cli.main(["train", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "g",
                      "--backend", "local", "--val-size", "1"])
-    assert code == 1 and "needs a CUDA GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 1 and "--backend local cannot start here; missing: " in err and "a CUDA GPU: torch sees none" in err
     assert not (tmp_path / "email-agent" / "models" / "g" / "run_config.json").exists()  # a CPU run may use the name
 
 
