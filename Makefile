@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup demo test bench
+GPU_VENV ?= .venv-gpu
+GPU_PY   := $(GPU_VENV)/bin/python
+
+.PHONY: setup demo test bench setup-gpu gpu-smoke
 
 setup: $(VENV)/.installed
 
@@ -30,3 +33,16 @@ bench: setup
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_cpu_backend.py
+
+# One CUDA GPU: ART's LocalBackend (unsloth + vLLM). Not CI's: no GPU there.
+setup-gpu: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: requirements-gpu.txt
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install --quiet --upgrade pip
+	$(GPU_PY) -m pip install --quiet -r requirements-gpu.txt
+	touch $@
+
+# Demo inbox, Qwen2.5-0.5B-Instruct: warm start, 2 GRPO steps, base vs. trained on 30 test questions.
+gpu-smoke: setup-gpu
+	$(GPU_PY) bench/gpu_smoke.py

@@ -118,6 +118,7 @@ def make_backend(name: str, cfg):
         except ImportError as exc:
             raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt ({exc})") from exc
         gpu_checks.allow_art_without_megatron()
+        gpu_checks.put_venv_uv_on_path()
         return LocalBackend(path=cfg.art_dir)
     if name == "serverless":
         if not os.environ.get("WANDB_API_KEY"):

@@ -241,10 +241,22 @@ def readiness(backend: str, cfg, gpu: GPU | None, environ=os.environ) -> Readine
     return r
 
 
+def venv_uv() -> Path | None:
+    """The uv that `pip install -r requirements-gpu.txt` put beside this interpreter (a venv not activated)."""
+    beside = Path(sys.executable).parent / "uv"
+    return beside if beside.is_file() else None
+
+
+def put_venv_uv_on_path(environ=os.environ) -> None:
+    """ART runs "uv" from PATH; a venv's own uv is not on it unless the venv is activated."""
+    if not shutil.which("uv", path=environ.get("PATH")) and venv_uv():
+        environ["PATH"] = f"{venv_uv().parent}{os.pathsep}{environ.get('PATH', '')}"
+
+
 def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
     if not (installed("unsloth") and installed("trl")):
         r.missing.append("ART's GPU extra (unsloth, trl): in a venv of its own, pip install -r requirements-gpu.txt")
-    if not (shutil.which("uv") or environ.get("ART_VLLM_RUNTIME_BIN")):
+    if not (shutil.which("uv") or venv_uv() or environ.get("ART_VLLM_RUNTIME_BIN")):
         r.missing.append(f"uv: ART builds its vLLM runtime with it at the first start: pip install {UV_PIN} (or point "
                          f"ART_VLLM_RUNTIME_BIN at a built runtime)")
     if gpu is None:

@@ -1,0 +1,197 @@
+"""What an ART backend needs, told before anything loads: the prerequisites of ART 0.5.18's GPU and remote
+backends (each missing one a sentence with its fix), the GPU memory estimate and the default model per card,
+the LoRA rank vLLM is started with, the guard for ART's megatron import, and `train --preflight` on a machine
+that cannot run the backend."""
+
+import ast
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import art
+import pytest
+
+from conftest import ROOT
+from email_agent import backends
+from email_agent.backends import gpu as gpu_checks
+
+import train_email_search_agent as cli
+
+CARD_24 = gpu_checks.GPU("a 24 GB card", 23.6, 23.2)
+
+
+def config(**overrides) -> cli.TrainConfig:
+    cfg = cli.TrainConfig(**overrides)
+    cfg.base_model = cfg.base_model or "Qwen/Qwen2.5-7B-Instruct"
+    return cfg
+
+
+@pytest.fixture
+def gpu_extra(monkeypatch):
+    """unsloth, trl and wandb importable, uv on PATH: what `pip install -r requirements-gpu.txt` brings."""
+    monkeypatch.setattr(gpu_checks, "installed", lambda module: True)
+    monkeypatch.setattr(gpu_checks.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+
+
+def test_every_missing_local_prerequisite_is_one_sentence_with_its_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_checks, "installed", lambda module: False)
+    monkeypatch.setattr(gpu_checks.shutil, "which", lambda name, path=None: None)
+    monkeypatch.setattr(gpu_checks.sys, "executable", str(tmp_path / "bin" / "python"))
+    ready = gpu_checks.readiness("local", config(), None, environ={})
+    assert not ready.ok
+    missing = "\n".join(ready.missing)
+    assert f"uv: ART builds its vLLM runtime with it at the first start: pip install {gpu_checks.UV_PIN}" in missing
+    assert f"wandb: ART 0.5.18 imports it at every training step of this backend, W&B or not: pip install " \
+           f"{gpu_checks.WANDB_PIN}" in missing
+    assert "pip install -r requirements-gpu.txt" in missing
+    assert "a CUDA GPU: torch sees none here; use --backend cpu" in missing
+    # a built vLLM runtime needs no uv
+    assert not any(m.startswith("uv") for m in gpu_checks.readiness(
+        "local", config(), None, environ={"ART_VLLM_RUNTIME_BIN": "/opt/vllm/bin/serve"}).missing)
+    # uv installed in the venv that runs this, not activated: found, and put on PATH for ART, which runs "uv"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "uv").write_text("")
+    assert not any(m.startswith("uv") for m in gpu_checks.readiness("local", config(), None, environ={}).missing)
+    environ = {"PATH": "/usr/bin"}
+    gpu_checks.put_venv_uv_on_path(environ)
+    assert environ["PATH"] == f"{tmp_path / 'bin'}:/usr/bin"
+
+
+def test_the_default_7b_fits_a_24_gb_card_at_the_default_share_and_not_at_the_old_readme_setting(gpu_extra):
+    ready = gpu_checks.readiness("local", config(), CARD_24, environ={})
+    assert ready.ok, ready.missing
+    assert any("vLLM needs 14.2 GiB of bf16 weights" in line for line in ready.lines)
+    # the README's 24 GB row said --gpu-memory-utilization 0.6: 14.2 GiB of vLLM's share for 14.2 GiB of weights
+    ready = gpu_checks.readiness("local", config(gpu_memory_utilization=0.6), CARD_24, environ={})
+    (missing,) = [m for m in ready.missing if m.startswith("GPU memory")]
+    assert missing.startswith("GPU memory for vLLM: 17.4 GiB needed, 14.2 GiB given; use --gpu-memory-utilization")
+    # a model no share of the card holds: a smaller one is named
+    missing = gpu_checks.readiness("local", config(base_model="Qwen/Qwen2.5-32B-Instruct"), CARD_24, {}).missing
+    assert "use a smaller model (--base-model Qwen/Qwen2.5-7B-Instruct)" in missing[0]
+    # something else on the GPU
+    busy = gpu_checks.GPU("busy", 23.6, 9.0)
+    assert any(m.startswith("free GPU memory: 9.0 GiB free") for m in gpu_checks.readiness("local", config(), busy, {}).missing)
+
+
+@pytest.mark.parametrize("card, model", [(16, "Qwen/Qwen2.5-3B-Instruct"), (24, "Qwen/Qwen2.5-7B-Instruct"),
+                                         (40, "Qwen/Qwen2.5-7B-Instruct"), (80, "Qwen/Qwen2.5-14B-Instruct")])
+def test_the_default_local_model_is_the_largest_that_fits_the_card(card, model):
+    gpu = gpu_checks.GPU(f"{card} GB", gpu_checks.CARD_GIB.get(card, card * 0.98), card * 0.95)
+    assert backends.default_base_model("local", cli.TrainConfig(), gpu) == model
+    cfg = config(base_model=model)
+    assert gpu_checks.estimate(gpu_checks.QWEN2_5[model], gpu.total_gib, gpu_memory_utilization=0.8,
+                               max_seq_length=8192, enforce_eager=False).fits(gpu.total_gib)
+    assert cfg.base_model == model
+    # without a GPU (a preflight on a laptop) the run is sized for a 24 GB card
+    assert backends.default_base_model("local", cli.TrainConfig(), None) == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_remote_backends_default_to_models_they_accept(monkeypatch):
+    monkeypatch.setattr(gpu_checks, "installed", lambda module: True)
+    assert backends.default_base_model("serverless", cli.TrainConfig()) in gpu_checks.SERVERLESS_MODELS
+    tinker = backends.default_base_model("tinker", cli.TrainConfig())
+    ready = gpu_checks.readiness("tinker", config(base_model=tinker), None, environ={"TINKER_API_KEY": "k"})
+    assert ready.ok and "Tinker renders it with qwen3_disable_thinking" in ready.lines  # ART's own lookup
+    # ART's Tinker renderers do not know Qwen2.5: ART's register would raise "Unknown base model"
+    ready = gpu_checks.readiness("tinker", config(base_model="Qwen/Qwen2.5-7B-Instruct"), None,
+                                 environ={"TINKER_API_KEY": "k"})
+    (missing,) = ready.missing
+    assert missing.startswith("a base model Tinker's renderers know: ART 0.5.18 has none for Qwen/Qwen2.5-7B")
+    ready = gpu_checks.readiness("serverless", config(base_model="Qwen/Qwen2.5-7B-Instruct"), None, environ={})
+    assert ready.missing == ["WANDB_API_KEY: W&B Training authenticates with it; set it in the environment"]
+    assert any(line.startswith("warning: Qwen/Qwen2.5-7B-Instruct is not among") for line in ready.lines)
+
+
+def test_remote_backends_need_wandb_installed(monkeypatch):
+    """ART 0.5.18's ServerlessBackend.train and LocalBackend.train (which Tinker inherits) run `import wandb`
+    at every step, key or not; nothing but the GPU extra installs it."""
+    monkeypatch.setattr(gpu_checks, "installed", lambda module: module != "wandb")
+    for backend in ("serverless", "tinker"):
+        ready = gpu_checks.readiness(backend, config(base_model="Qwen/Qwen3-8B"), None,
+                                     environ={"WANDB_API_KEY": "k", "TINKER_API_KEY": "k"})
+        assert [m for m in ready.missing if m.startswith("wandb:")], backend
+
+
+@pytest.mark.parametrize("rank, served", [(8, 16), (16, 16), (32, 32), (48, 64), (256, 256)])
+def test_vllm_is_started_with_a_lora_rank_that_fits(rank, served):
+    assert gpu_checks.vllm_lora_rank(rank) == served
+    settings = backends.internal_config(cli.TrainConfig(lora_rank=rank))
+    assert settings["engine_args"]["max_lora_rank"] == served and settings["peft_args"]["r"] == rank
+
+
+def test_wandb_key_is_hidden_from_local_and_tinker_only_without_the_flag():
+    for backend, wandb, hidden in (("local", False, True), ("tinker", False, True), ("local", True, False),
+                                   ("serverless", False, False), ("cpu", False, False)):
+        environ = {"WANDB_API_KEY": "k"}
+        assert backends.hide_wandb_key(backend, wandb, environ) is hidden
+        assert ("WANDB_API_KEY" in environ) is not hidden
+
+
+MEGATRON_PROBE = """
+import sys
+try:
+    import art.dev.get_model_config
+except ModuleNotFoundError as exc:
+    print("without guard:", exc)
+from email_agent.backends import gpu
+for name in [m for m in sys.modules if m.startswith("art.megatron") or m == "art.dev.get_model_config"]:
+    del sys.modules[name]
+gpu.allow_art_without_megatron()
+from art.dev.get_model_config import get_model_config
+print("with guard:", get_model_config("Qwen/Qwen2.5-7B-Instruct", "/tmp/x", None)["peft_args"]["target_modules"])
+"""
+
+
+@pytest.mark.skipif(gpu_checks.installed("megatron"), reason="megatron is installed here: ART imports it as it is")
+def test_art_s_model_config_imports_without_megatron_once_guarded():
+    """ART 0.5.18's get_model_config imports megatron.core and megatron.bridge, which its [backend] extra does not
+    install: LocalBackend and Tinker could not start. The guard stands in with ART's own dense target modules."""
+    probe = subprocess.run([sys.executable, "-c", MEGATRON_PROBE], capture_output=True, text=True, cwd=ROOT,
+                           timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert "without guard: No module named 'megatron'" in probe.stdout
+    registry = Path(art.__file__).parent / "megatron" / "model_support" / "registry.py"
+    dense = next(ast.literal_eval(node.value) for node in ast.parse(registry.read_text()).body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_DENSE_TARGET_MODULES")
+    assert list(dense) == gpu_checks.DENSE_TARGET_MODULES
+    assert f"with guard: {gpu_checks.DENSE_TARGET_MODULES}" in probe.stdout
+
+
+def test_preflight_of_a_gpu_run_on_a_machine_without_one_says_what_is_missing(demo_db_path, tmp_path, capsys,
+                                                                               monkeypatch):
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    started = time.perf_counter()
+    code = cli.main(["train", "--backend", "local", "--preflight", "--db", str(demo_db_path), "--art-dir",
+                     str(tmp_path), "--name", "g", "--lora-rank", "32"])
+    seconds = time.perf_counter() - started
+    out, err = capsys.readouterr()
+    assert code == 1 and seconds < 10
+    assert out.startswith("backend local: Qwen/Qwen2.5-7B-Instruct\n  no GPU: sized for a 24 GB card")
+    assert "LoRA r=32, alpha=16; vLLM started with --max-lora-rank 32" in out
+    assert "memory: vLLM needs 14.2 GiB of bf16 weights" in out
+    assert "  missing: a CUDA GPU" in out and "Traceback" not in err
+    assert "Error: --backend local cannot start here; missing: " in err
+    assert not (tmp_path / "email-agent").exists()  # nothing saved
+
+
+def test_the_readme_memory_table_is_the_estimate():
+    readme = (ROOT / "README.md").read_text()
+    assert "\n".join(gpu_checks.sizing_table()) in readme
+
+
+def test_every_command_of_the_gpu_smoke_run_parses(tmp_path):
+    """bench/gpu_smoke.py cannot run here (no GPU); its commands are the scripts' own, so a renamed flag fails here."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_smoke
+    import test_email_search_agent as evaluate_cli
+
+    phases = gpu_smoke.commands("Qwen/Qwen2.5-0.5B-Instruct", 30, 2, str(tmp_path / "art"), str(tmp_path / "d.db"),
+                                str(tmp_path / "eval"))
+    assert [phase for phase, _ in phases] == ["build the demo inbox", "preflight", "warm start + GRPO", "evaluate"]
+    for _, (script, *argv) in phases:
+        parser = cli.make_parser() if script == "train_email_search_agent.py" else evaluate_cli.make_parser()
+        parser.parse_args(argv)  # exits (SystemExit) on a flag that is not there
+    train = cli.config_from_args(cli.make_parser().parse_args(phases[2][1][1:]))
+    assert (train.backend, train.base_model, train.max_steps, train.sft_from) == (
+        "local", "Qwen/Qwen2.5-0.5B-Instruct", 2, "demo-expert")
