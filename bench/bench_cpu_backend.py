@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from email_agent.backends.cpu import CPUBackend  # noqa: E402  (sets the offline litellm default first)
 from email_agent.backends.cpu.model import inference_dtype  # noqa: E402
+from email_agent import training_data  # noqa: E402
 
 import art  # noqa: E402
 import openai  # noqa: E402
@@ -187,15 +188,17 @@ async def main() -> None:
             groups = await sample_trajectories(model, client)
             print(f"sampled {sum(len(g.trajectories) for g in groups)} tool-using trajectories "
                   f"(2 assistant turns of {SAMPLED_TOKENS} tokens each) in {time.monotonic() - started:.0f}s")
+            groups = training_data.for_grpo(groups, "string")  # as the training loop hands them over
             bare = await backend.worker.call(bare_loops, backend, groups)
             result = await backend.train(model, groups, learning_rate=1e-5)
 
-    train_rate = result.metrics["tokens_per_s"]
+    train_rate = result.metrics["throughput/trainer_tokens_per_s"]
     equal_rate, plain_rate = (tokens / seconds for tokens, seconds in bare.values())
-    print(f"\n(a) trainer, {backend.train_threads} threads, {int(result.metrics['trained_tokens'])} tokens in "
-          f"{int(result.metrics['num_trainable'])} rows ({int(result.metrics['assistant_tokens'])} trained on)")
+    print(f"\n(a) trainer, {backend.train_threads} threads, {int(result.metrics['data/step_row_tokens'])} tokens in "
+          f"{int(result.metrics['data/step_num_trained_trajectories'])} rows "
+          f"({int(result.metrics['data/step_trainer_tokens'])} trained on)")
     print(f"    CPUBackend.train (whole call: tokenize, forward/backward, AdamW, checkpoint): "
-          f"{train_rate:7.1f} tokens/s ({result.metrics['step_s']:.1f}s)")
+          f"{train_rate:7.1f} tokens/s ({result.metrics['time/step_trainer_s']:.1f}s)")
     for name, (tokens, seconds) in bare.items():
         print(f"    bare forward+backward loop, {name}, same rows and LoRA:".ljust(84)
               + f"{tokens / seconds:7.1f} tokens/s ({seconds:.1f}s)")

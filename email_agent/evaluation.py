@@ -230,6 +230,8 @@ async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, 
 
 def cannot_serve(run: Run, step: str, reason: str) -> str:
     """What is missing to serve a run the way it was trained, and the way around it."""
+    from . import backends
+
     message = f"run {run.name!r} was trained on the {run.backend} backend, which cannot serve it here: {reason}"
     steps = run.steps()
     if not steps:
@@ -237,7 +239,7 @@ def cannot_serve(run: Run, step: str, reason: str) -> str:
                           f"trained, or copy its folder there first.")
     number = steps[-1] if step in ("", "latest") or not is_step(step) else int(step)
     folder = run.path / "checkpoints" / f"{number:04d}"
-    rank = run.config.get("lora_rank", 8)
+    rank = backends.gpu_checks.vllm_lora_rank(run.config.get("lora_rank", 8))
     return message + (f" To evaluate it anyway, serve the checkpoint with vLLM on a GPU machine: `vllm serve "
                       f"{run.base_model} --enable-lora --max-lora-rank {rank} --lora-modules {run.name}={folder} "
                       f"--enable-auto-tool-choice --tool-call-parser hermes`, then pass --model "

@@ -599,15 +599,19 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
             evaluated = (await client.chat.completions.create(
                 model="agent-eval", messages=messages, temperature=0, max_tokens=8, logprobs=True)).choices[0]
         assert [t.token for t in evaluated.logprobs.content] == [t.token for t in greedy.logprobs.content]
-        return result, flat_result, before, after, served_names, weights, step, optimizer
+        sampled = sum(len(c.logprobs.content) for c in (good, bad))
+        return result, flat_result, before, after, served_names, weights, step, optimizer, sampled
 
-    result, flat_result, before, after, served_names, weights, step, optimizer = loop.run_until_complete(first_run())
+    result, flat_result, before, after, served_names, weights, step, optimizer, sampled = loop.run_until_complete(
+        first_run())
     assert after[0] > before[0] and after[1] < before[1], (before, after)
     assert result.step == 1 and served_names == ["agent@1"]
-    assert {"loss", "grad_norm", "num_trajectories", "num_trainable", "trained_tokens", "tokens_per_s",
-            "step_s"} <= set(result.metrics)
-    assert result.metrics["num_trajectories"] == 2 and result.metrics["num_trainable"] == 2
-    assert result.metrics["trained_tokens"] > 0 and result.metrics["grad_norm"] > 0
+    # ART LocalBackend's keys, which the training loop's step line reads
+    assert {"loss/train", "loss/grad_norm", "data/step_num_trajectories", "data/step_num_groups_trainable",
+            "data/step_trainer_tokens", "time/step_trainer_s"} <= set(result.metrics)
+    assert result.metrics["data/step_num_trajectories"] == 2 and result.metrics["data/step_num_trained_trajectories"] == 2
+    assert result.metrics["data/step_trainer_tokens"] == sampled
+    assert result.metrics["loss/grad_norm"] > 0
     checkpoint = tmp_path / "test" / "models" / "agent" / "checkpoints" / "0001"
     assert result.checkpoint_path == str(checkpoint)
     assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt", "trainer_state.json"} <= {
@@ -615,8 +619,8 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
     assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 1
     assert json.loads((checkpoint / "trainer_state.json").read_text())["mode"] == "rl"  # Adam moments' kind
     history = (tmp_path / "test" / "models" / "agent" / "history.jsonl").read_text()
-    assert '"train/loss"' in history
-    assert flat_result.step == step == 2 and flat_result.metrics["num_trainable"] == 0
+    assert '"loss/train"' in history
+    assert flat_result.step == step == 2 and flat_result.metrics["data/step_num_groups_trainable"] == 0
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["0001", "0002"]  # 0000 deleted, no temp dirs
 
     async def resume():
