@@ -685,7 +685,8 @@ def test_grpo_advantage_is_divided_by_the_group_std_only_with_scale_rewards(serv
     ids = tokenizer.encode("Friday.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     answer = sampled_choice({"content": "Friday."}, ids)
     episode = art.Trajectory(messages_and_choices=[SYSTEM, QUESTION, answer], reward=0.0)
-    groups = [art.TrajectoryGroup([episode.model_copy(update={"reward": high}), episode]) for high in (3.0, 1.0)]
+    groups = [art.TrajectoryGroup([episode.model_copy(update={"reward": high}), episode.model_copy()])
+              for high in (3.0, 1.0)]
     _, dev_config = build_rl_train_configs(learning_rate=1e-4, scale_rewards=scale_rewards)
     packed, trained = backend.trainer.pack(groups, dev_config, step=0)
     assert trained == 4
