@@ -190,6 +190,8 @@ class TrainConfig:
     judge_base_url: str = ""  # api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE)
     ruler_model: str = ""  # judge for --reward ruler (default: the judge model)
     hallucination_penalty: float = 1.0  # what a wrong answer costs (offline/shaped); higher: answers only when surer
+    judge_patience: float = 600.0  # seconds a step waits for a failing judge (5xx, 429, timeouts) before the run stops
+    min_reward_std: float = 0.01  # a group whose rewards spread less (std) is judge noise: not trained on
     # warm start (supervised, before RL)
     sft_from: str = ""  # demo-expert, or an evaluation folder of a teacher model (its judged-correct episodes)
     sft_only: bool = False  # stop after the warm start
@@ -308,17 +310,18 @@ def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_st
 
     verdict = preflight.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
                                  warm_start_pending=warm_start_pending)
-    print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)),
-          flush=True)
+    space = runs.free_space_warning(run_dir(cfg))
+    print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)
+                    + ([f"  warning: {space}"] if space else [])), flush=True)
     return verdict
 
 
 async def train(cfg: TrainConfig) -> None:
     import art
 
-    from email_agent import backends, preflight, rewards, training_data
+    from email_agent import backends, judging, preflight, rewards, training_data
     from email_agent.questions import select_questions, with_unanswerable
-    from email_agent.rollout import Policy, RolloutConfig, rollout
+    from email_agent.rollout import Policy, RolloutConfig, regrade, rollout
 
     backend_name = backends.resolve_backend(cfg.backend)
     gpu = backends.gpu_checks.find_gpu() if backend_name == "local" else None
@@ -353,6 +356,9 @@ async def train(cfg: TrainConfig) -> None:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
     rollout_config = RolloutConfig.for_shape(EpisodeShape.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge,
                                              hallucination_penalty=cfg.hallucination_penalty)
+    ruler_params = rewards.ruler_params(judge, cfg.judge_base_url)  # the judge's endpoint and key (JUDGE_API_*)
+    print(f"reward: {rewards.describe(reward_mode, judge, ruler_model, ruler_params.get('api_base'))}",
+          file=sys.stderr)
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
@@ -393,14 +399,26 @@ async def train(cfg: TrainConfig) -> None:
         state = await runs.check_state(run_dir(cfg), state, model)
         after_each = None
         if reward_mode == "ruler":
-            params = rewards.ruler_params(judge, cfg.judge_base_url)  # the judge's endpoint and key (JUDGE_API_*)
-            after_each = lambda group: rewards.ruler_group(group, ruler_model, params)  # noqa: E731
+            after_each = lambda group: rewards.ruler_group(group, ruler_model, ruler_params)  # noqa: E731
+        by_id = {q.id: q for q in rl_questions}
 
-        def gather(questions, step):
-            return art.gather_trajectory_groups(
+        async def rejudge(group):  # a group the judge failed on, judged again
+            if reward_mode == "ruler":
+                return await after_each(group)
+            for t in group.trajectories:
+                if t.metadata.get("verdict_error"):
+                    await regrade(t, by_id[t.metadata["question_id"]], rollout_config)
+            return group
+
+        async def gather(questions, step):
+            groups = await art.gather_trajectory_groups(
                 (art.TrajectoryGroup(rollout(policy, q, db, rollout_config) for _ in range(cfg.rollouts_per_group))
                  for q in questions),
                 pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4, after_each=after_each)
+            # the rollouts are kept while a judge that is down comes back; one that does not stops the run here
+            return await judging.settle(groups, rejudge, reward_mode=reward_mode, patience=cfg.judge_patience,
+                                        step=step + 1,  # the number of the checkpoint it would make
+                                        notify=lambda line: print(line, file=sys.stderr, flush=True))
 
         warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
@@ -415,8 +433,8 @@ async def train(cfg: TrainConfig) -> None:
                 raise DataError(f"--preflight: run {cfg.name!r} has no steps left to check (its epochs are done).")
             started = time.perf_counter()
             groups = await gather(batch.items, batch.step + sft_steps)
-            verdict = say_whether_it_can_learn(cfg, preflight.measure(groups, time.perf_counter() - started),
-                                               reward_mode, warm_start_pending)
+            health = preflight.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
+            verdict = say_whether_it_can_learn(cfg, health, reward_mode, warm_start_pending)
             if not verdict.ok:
                 raise DataError(verdict.headline)
             print(f"preflight: {verdict.headline}")
@@ -433,6 +451,14 @@ async def train(cfg: TrainConfig) -> None:
                 print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
         if cfg.sft_only:
             return
+        rollouts = cfg.groups_per_step * cfg.rollouts_per_group
+        if backend_name == "cpu" and rollouts > 16:  # GPU-scale steps on a CPU: say what one will cost
+            started = time.perf_counter()
+            await rollout(policy, rl_questions[0], db, rollout_config)
+            one, at_once = time.perf_counter() - started, min(cfg.concurrency, backend.max_batch_size)
+            print(f"note: one rollout took {one:.0f}s here, so a step of {rollouts} rollouts ({at_once} at a time) "
+                  f"takes about {one * rollouts / at_once / 60:.0f} min before its update; the CPU preset's 8 take "
+                  f"about {one * 8 / min(at_once, 8) / 60:.1f} min", file=sys.stderr, flush=True)
         idle_steps = 0  # steps in a row that trained on nothing
         trainable_shares, warned_low_variance = [], False
         for batch in batches:
@@ -443,12 +469,13 @@ async def train(cfg: TrainConfig) -> None:
                 print(f"val  {step:>4}  {await validate(model, policy, val_questions, db, rollout_config, step)}")
             started = time.perf_counter()
             groups = await gather(batch.items, step)
-            health = preflight.measure(groups, time.perf_counter() - started)
+            health = preflight.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
             if batch.step == 0:  # a fresh run says at once whether it can learn
                 verdict = say_whether_it_can_learn(cfg, health, reward_mode, False)
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
-            # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled ----
-            result = await backend.train(model, training_data.for_grpo(groups, arguments),
+            # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled, of the
+            # groups whose rewards differ by more than judge noise ----
+            result = await backend.train(model, training_data.for_grpo(groups, arguments, cfg.min_reward_std),
                                          learning_rate=cfg.learning_rate, advantage_balance=cfg.advantage_balance,
                                          scale_rewards=cfg.scale_rewards)
             learned = preflight.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
@@ -478,9 +505,30 @@ async def train(cfg: TrainConfig) -> None:
             shutil.rmtree(run_dir(cfg), ignore_errors=True)
 
 
+# What a CPU run takes from the demo preset when these flags are not given: its episode shape and batch. The
+# GPU-scale defaults (12 groups x 4 rollouts of up to 10 turns of 2,048 tokens) take hours a step on two cores.
+CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", "max_turns", "max_tokens", "max_body_chars",
+                   "search_results", "concurrency")
+
+
+def given_flags(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+
+
+def cpu_preset(args) -> dict:
+    """The CPU preset's values a run on the CPU backend (named, or chosen for want of CUDA) takes without --demo:
+    those of `CPU_PRESET_KEYS` not given as flags."""
+    from email_agent import backends
+
+    given = given_flags(args)
+    if given.get("demo") or backends.resolve_backend(given.get("backend", "auto")) != "cpu":
+        return {}
+    return {key: DEMO_PRESET[key] for key in CPU_PRESET_KEYS if key not in given}
+
+
 def config_from_args(args) -> TrainConfig:
-    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
-    preset = DEMO_PRESET if given.get("demo") else {}
+    given = given_flags(args)
+    preset = DEMO_PRESET if given.get("demo") else cpu_preset(args)
     return TrainConfig(**{**preset, **given})
 
 
@@ -501,6 +549,9 @@ def train_command(args) -> None:
         raise DataError(f"--temperature must be at least 0, not {cfg.temperature}")
     if not 0 <= cfg.min_realistic <= 1:  # ART·E's how_realistic scores run from 0 to 1
         raise DataError(f"--min-realistic must be between 0 and 1, not {cfg.min_realistic}")
+    for key in ("judge_patience", "min_reward_std"):
+        if not 0 <= getattr(cfg, key) < math.inf:
+            raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
     if not 0 <= cfg.unanswerable_share < 1:
         raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
@@ -519,6 +570,10 @@ def train_command(args) -> None:
                         "(an output folder of test_email_search_agent.py)")
     runs.check_name("--name", cfg.name)
     runs.check_name("--project", cfg.project)
+    if preset := cpu_preset(args):
+        print("CPU backend: the CPU preset's episode shape and batch ("
+              + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in preset.items())
+              + "); give these flags to change them", file=sys.stderr)
     print(json.dumps(asdict(cfg)), file=sys.stderr)
     lock = runs.lock(cfg.art_dir, cfg.project, cfg.name)
     # SIGTERM ends the run like Ctrl-C: the current step is abandoned and the backend shut down.
@@ -678,6 +733,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except Exception as exc:  # a full or read-only disk under a checkpoint, the history or the database
+        problem = runs.storage_problem(exc, run_dir(config_from_args(args)) if args.command == "train" else None)
+        if problem is None:
+            raise
+        print(f"Error: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 

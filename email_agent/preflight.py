@@ -31,7 +31,9 @@ class Health:
     """What one step's groups offer GRPO. Shares are of rollouts unless named otherwise."""
 
     groups: int = 0
-    trainable_groups: int = 0  # reward variance and scored: GRPO learns from these
+    trainable_groups: int = 0  # rewards spread at least `min_reward_std`, and scored: GRPO learns from these
+    close_groups: int = 0  # rewards that differ, but by less than `min_reward_std`: judge noise, not trained on
+    min_reward_std: float = 0.0
     ruler_errors: int = 0  # groups RULER could not score (left untrained)
     rollouts: int = 0
     mean_reward: float = 0.0  # over rollouts of scored groups
@@ -71,15 +73,26 @@ def _has_variance(group: TrajectoryGroup) -> bool:
     return len(rewards) > 1 and max(rewards) - min(rewards) > 1e-9
 
 
-def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0) -> Health:
+def learnable(group: TrajectoryGroup, min_reward_std: float) -> bool:
+    """Rewards that differ by more than noise: their standard deviation is at least `min_reward_std` (ART's
+    std-scaled advantages would blow a 0.001 difference up to a full-size update)."""
+    return _has_variance(group) and reward_std(group) >= min_reward_std and not _ruler_failed(group)
+
+
+def reward_std(group: TrajectoryGroup) -> float:
+    return _std([t.reward for t in group.trajectories])
+
+
+def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0, min_reward_std: float = 0.0) -> Health:
     """Health numbers of one step's groups (as `gather_trajectory_groups` returns them)."""
     trajs = [t for g in groups for t in g.trajectories]
-    h = Health(groups=len(groups), rollouts=len(trajs), gather_s=gather_s)
+    h = Health(groups=len(groups), rollouts=len(trajs), gather_s=gather_s, min_reward_std=min_reward_std)
     if not trajs:
         return h
     scored = [g for g in groups if not _ruler_failed(g)]
     h.ruler_errors = len(groups) - len(scored)
-    h.trainable_groups = sum(_has_variance(g) for g in scored)
+    h.trainable_groups = sum(learnable(g, min_reward_std) for g in scored)
+    h.close_groups = sum(_has_variance(g) and not learnable(g, min_reward_std) for g in scored)
     rewards = [t.reward for g in scored for t in g.trajectories]
     h.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
     spreads = [_std([t.reward for t in g.trajectories]) for g in scored]
@@ -128,10 +141,11 @@ def step_metrics(h: Health, groups: list[TrajectoryGroup], train_metrics: dict, 
     if "data/step_trainer_tokens" in train_metrics:
         trained = min(train_metrics["data/step_trainer_tokens"] / sampled, 1.0) if sampled else 0.0
     else:
-        usable = training_data.sampled_tokens([g for g in groups if _has_variance(g) and not _ruler_failed(g)])
+        usable = training_data.sampled_tokens([g for g in groups if learnable(g, h.min_reward_std)])
         trained = usable / sampled if sampled else 0.0
     return {"trainable_group_share": h.trainable_share, "trained_token_share": trained,
             "ruler_errors": float(h.ruler_errors), "judge_errors": float(h.judge_errors),
+            "close_groups": float(h.close_groups),
             "too_long": float(training_data.too_long(groups, max_seq_length))}
 
 
@@ -201,18 +215,28 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
     if h.valid_call_rate == 0.0:
         failures.append(f"cannot learn: no valid tool calls; {warm}.")
     elif h.trainable_share < MIN_TRAINABLE_SHARE and h.ruler_errors < h.groups:
-        if reward_mode == "judge":
-            fix = "use --reward shaped, whose partial credit separates rollouts the binary judge scores alike"
-        elif h.correct == 0.0:
-            fix = warm
+        flat = h.groups - h.ruler_errors - h.trainable_groups - h.close_groups  # rewards all equal
+        if h.close_groups and h.close_groups >= flat:
+            failures.append(f"learns little: the judge's scores are too close to learn from: {h.close_groups} of "
+                            f"{h.groups} groups spread less than --min-reward-std {h.min_reward_std:g}; ask the "
+                            f"judge for scores that separate rollouts (a rubric), or lower --min-reward-std.")
         else:
-            fix = "raise --rollouts-per-group or --temperature so rollouts of a question differ"
-        failures.append(f"learns little: only {h.trainable_groups} of {h.groups} groups have reward variance; {fix}.")
+            if reward_mode == "judge":
+                fix = "use --reward shaped, whose partial credit separates rollouts the binary judge scores alike"
+            elif h.correct == 0.0:
+                fix = warm
+            else:
+                fix = "raise --rollouts-per-group or --temperature so rollouts of a question differ"
+            failures.append(f"learns little: only {h.trainable_groups} of {h.groups} groups have reward variance; "
+                            f"{fix}.")
     warnings = []
     if h.judge_errors and h.judge_error_share < MAX_JUDGE_ERROR_SHARE:
         warnings.append(f"the judge failed on {h.judge_errors} answers (graded offline instead): {h.first_error}")
     if h.ruler_errors and h.judge_error_share < MAX_JUDGE_ERROR_SHARE:
         warnings.append(f"RULER failed on {h.ruler_errors} groups (left untrained): {h.first_error}")
+    if h.close_groups:
+        warnings.append(f"{h.close_groups} groups' rewards differ by less than --min-reward-std "
+                        f"{h.min_reward_std:g} (judge noise): not trained on")
     if 0 < h.turns_without_logprobs < 1.0:
         warnings.append(f"{h.turns_without_logprobs:.0%} of assistant turns have no logprobs and are not trained")
     if not failures and h.trainable_share < WARN_TRAINABLE_SHARE:
@@ -229,7 +253,9 @@ def report(h: Health, verdict: Verdict, groups_per_step: int, rollouts_per_group
     estimate = h.gather_s if h.gather_s else waves * h.rollout_s
     lines = [
         f"preflight: {h.groups} groups x {rollouts_per_group} rollouts",
-        f"  trainable groups     {h.trainable_groups}/{h.groups} ({h.trainable_share:.0%}) have reward variance",
+        f"  trainable groups     {h.trainable_groups}/{h.groups} ({h.trainable_share:.0%}) have reward variance"
+        + (f" ({h.close_groups} more differ by less than --min-reward-std {h.min_reward_std:g})"
+           if h.close_groups else ""),
         (f"  reward               mean {h.mean_reward:+.3f}, spread within groups {h.reward_spread:.3f}"
          if h.ruler_errors < h.groups else "  reward               none: no group was scored"),
         f"  valid tool calls     {h.valid_call_rate:.0%} of calls and call-less turns",
@@ -256,6 +282,7 @@ def step_line(step: int, groups: list[TrajectoryGroup], train_metrics: dict, lea
     loss = f"loss {train_metrics['loss/train']:+.4f}" if "loss/train" in train_metrics else "loss -"  # no update
     errors = "".join(f"  {label} {learned[key]:.0f}" for key, label in
                      (("judge_errors", "judge errors"), ("ruler_errors", "RULER errors"),
+                      ("close_groups", "groups too close (< --min-reward-std)"),
                       ("too_long", "too long for --max-seq-length (not trained)")) if learned.get(key))
     return (f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
             f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "

@@ -86,6 +86,7 @@ class Verdict:
     judge: str  # "offline" or the judge model's name
     reasoning: str = ""
     error: str | None = None  # set when the judge failed and the offline matcher decided
+    transient: bool = False  # ... and the failure may pass (a timeout, 429, 5xx, a refused connection)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class LLMJudge:
             verdict = await self._ask(question, gold, answer)
         except JudgeFailed as exc:  # recorded on the verdict, never raised: one bad call must not end a run
             fallback = offline_verdict(answer, gold, question)
-            return Verdict(fallback.correct, "offline", fallback.reasoning, error=str(exc))
+            return Verdict(fallback.correct, "offline", fallback.reasoning, error=str(exc), transient=exc.transient)
         self._cache[key] = verdict
         if self.cache_path:
             with open(self.cache_path, "a") as f:
@@ -264,7 +265,7 @@ class LLMJudge:
         except Exception as exc:  # after retries, or at once when retrying cannot help
             tries = retrying.statistics.get("attempt_number", 1)
             raise JudgeFailed(f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
-                              f"({type(exc).__name__}: {redact(str(exc)[:200])})") from exc
+                              f"({type(exc).__name__}: {redact(str(exc)[:200])})", may_pass(exc)) from exc
 
 
 JUDGE_PROBE = ("What is the meeting room?", "Room 4B", "It is in room 4B.")  # question, gold, answer
@@ -275,7 +276,12 @@ def judge_request(question: str, gold: str, answer: str) -> str:
 
 
 class JudgeFailed(Exception):
-    """The judge gave no usable verdict (its message is safe to show: secrets redacted)."""
+    """The judge gave no usable verdict (its message is safe to show: secrets redacted). `transient`: the
+    failure may pass if one waits (`may_pass`)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 def is_transient(error: BaseException) -> bool:
@@ -285,6 +291,12 @@ def is_transient(error: BaseException) -> bool:
         return True
     status = getattr(error, "status_code", None)
     return isinstance(status, int) and (status in (408, 409, 429) or status >= 500)
+
+
+def may_pass(error: BaseException) -> bool:
+    """A judge failure that waiting may cure: a transient one, but not a reply that does not parse (retried
+    already: that judge answers in another format, every time)."""
+    return is_transient(error) and not isinstance(error, ValueError)
 
 
 def parse_judge_reply(text: str, judge: str) -> Verdict:
@@ -332,10 +344,24 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
         raise DataError(f"--reward must be one of {', '.join(REWARD_MODES)}, not {mode!r}")
     if mode in ("judge", "shaped") and judge is None:
         raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), or use --reward offline.")
-    if judge is None:
+    if judge is None and mode != "ruler":  # RULER's reward needs no answer judge (`describe` says what is used)
         log.warning("no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
                     "(pass --judge-model for an LLM judge).")
     return mode, judge
+
+
+def describe(mode: str, judge: LLMJudge | None, ruler_model: str = "", ruler_base_url: str | None = None) -> str:
+    """The reward in use, in one line for the start of a run."""
+    def where(base_url: str | None) -> str:
+        return f" at {base_url}" if base_url else ""
+
+    graded = (f"answers graded by the judge {judge.model}{where(judge.api_base)}" if judge else
+              "answers graded offline (normalised match against the gold answer; no judge)")
+    if mode == "ruler":
+        return f"RULER {ruler_model}{where(ruler_base_url)} ranks each group; {graded}, for the metrics"
+    if mode == "judge":
+        return f"judge {judge.model}{where(judge.api_base)}: 1 for a right answer, 0 otherwise"
+    return f"{mode} (right > \"I don't know\" > wrong, with partial credit); {graded}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -410,8 +436,11 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
     trajectories = group.trajectories
     if not trajectories:
         return group
+    for t in trajectories:  # a group RULER failed on before (the train loop tries again): its own rewards back
+        if "independent_reward" in t.metrics:
+            t.reward = t.metrics["independent_reward"]
     expected = [str(i) for i in range(1, len(trajectories) + 1)]  # the ids RULER's prompt gives them
-    error = ""
+    error, transient = "", False
     for _ in range(attempts):
         try:
             scores = await ruler([t.messages() for t in trajectories], judge_model,
@@ -423,13 +452,16 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
             break
         except Exception as exc:  # network, malformed or incomplete reply: retried, then recorded
             error = f"RULER judge {judge_model}: {type(exc).__name__}: {redact(str(exc)[:200])}"
+            transient = may_pass(exc)
     else:
         for t in trajectories:
             t.metrics.update(independent_reward=t.reward, ruler_error=1)
-            t.metadata["ruler_error"] = error
+            t.metadata.update(ruler_error=error, judge_transient=transient)
             t.reward = 0.0
         return group
     for key, t in zip(expected, trajectories):
+        t.metadata.pop("ruler_error", None)
+        t.metadata.pop("judge_transient", None)
         t.metrics.update(independent_reward=t.reward, ruler_score=by_id[key].score, ruler_error=0)
         t.reward = by_id[key].score
         t.log(f"RULER explanation: {by_id[key].explanation}")

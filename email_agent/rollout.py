@@ -181,11 +181,32 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
     traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources), config.hallucination_penalty)
     traj.metrics = asdict(rubric)
     traj.metadata.update({"answer": answer, "sources": json.dumps(sources), "error": error,
-                          "withheld": json.dumps(withheld) if withheld else None,
-                          "verdict_judge": verdict.judge if verdict else None,
-                          "verdict_reasoning": verdict.reasoning if verdict else None,
-                          "verdict_error": verdict.error if verdict else None})
+                          "withheld": json.dumps(withheld) if withheld else None})
+    record_verdict(traj, verdict)
     return traj.finish()
+
+
+def record_verdict(traj: art.Trajectory, verdict: rewards.Verdict | None) -> None:
+    traj.metadata.update({"verdict_judge": verdict.judge if verdict else None,
+                          "verdict_reasoning": verdict.reasoning if verdict else None,
+                          "verdict_error": verdict.error if verdict else None,
+                          "verdict_transient": verdict.transient if verdict and verdict.error else None})
+
+
+async def regrade(traj: art.Trajectory, question: Question, config: RolloutConfig) -> art.Trajectory:
+    """Grade a finished episode again (its judge failed the first time): the rubric's outcome and the reward."""
+    fields = Rubric.__dataclass_fields__
+    rubric = Rubric(**{k: v for k, v in traj.metrics.items() if k in fields})
+    for key in ("answer_correct", "sources_correct", "attempted_answer", "returned_i_dont_know", "hallucinated",
+                "judge_error", "withheld_answer", "withheld_right"):
+        setattr(rubric, key, 0)
+    sources = json.loads(traj.metadata.get("sources") or "[]")
+    withheld = json.loads(traj.metadata["withheld"]) if traj.metadata.get("withheld") else None
+    verdict = await grade(rubric, question, traj.metadata.get("answer"), sources, config, withheld)
+    traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources), config.hallucination_penalty)
+    traj.metrics.update(asdict(rubric))
+    record_verdict(traj, verdict)
+    return traj
 
 
 def record_outcome(rubric: Rubric, outcome: ToolOutcome, gold: set[str]) -> None:

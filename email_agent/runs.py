@@ -9,6 +9,7 @@ line per logged step) and checkpoints/NNNN/. `train` starts, locks and resumes r
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -293,3 +294,54 @@ def drop_torn_history_line(history: Path) -> None:
     if not text.endswith(b"\n"):
         history.write_bytes(text[:text.rfind(b"\n") + 1])
         print(f"note: dropped a half-written last line of {history}", file=sys.stderr)
+
+
+# ---- the disk under a run ---------------------------------------------------------------------------------
+
+_STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                   errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+                   errno.EROFS: "the file system is read-only"}
+
+
+def checkpoint_bytes(directory: Path) -> int:
+    """The size of the run's latest checkpoint folder (0 if it has none): what each further step writes."""
+    folders = sorted(p for p in (directory / "checkpoints").glob("[0-9]*") if p.is_dir())
+    return sum(f.stat().st_size for f in folders[-1].rglob("*") if f.is_file()) if folders else 0
+
+
+def storage_problem(error: BaseException, directory: Path | None = None) -> str | None:
+    """One sentence for a write that failed for lack of space or permission (a checkpoint, the history, a
+    report), found anywhere in the exception's chain (safetensors raises its own type, with the OS's message);
+    None for any other error."""
+    seen, reason, path = error, None, None
+    while seen is not None and reason is None:
+        if isinstance(seen, OSError) and seen.errno in _STORAGE_ERRNOS:
+            reason, path = _STORAGE_ERRNOS[seen.errno], seen.filename
+        elif "No space left on device" in str(seen) or "Disk quota exceeded" in str(seen):
+            reason = "no space left on the device"
+        seen = seen.__cause__ or seen.__context__
+    if reason is None:
+        return None
+    where = Path(path) if path else directory
+    sentence = f"could not write {where or 'a file'}: {reason}"
+    if directory is not None and directory.exists():
+        size = checkpoint_bytes(directory)
+        free = shutil.disk_usage(directory).free
+        steps = sorted(int(p.name) for p in (directory / "checkpoints").glob("[0-9]*") if p.name.isdigit())
+        sentence += (f" ({free / 2**20:,.0f} MB free there; a checkpoint of this run takes about "
+                     f"{max(size, 1) / 2**20:,.1f} MB). Free some space (or fix the permissions) and run the same "
+                     f"command again: the run resumes from its last complete checkpoint"
+                     + (f", step {steps[-1]}" if steps else ""))
+    return sentence + "."
+
+
+def free_space_warning(directory: Path, checkpoints: int = 3) -> str | None:
+    """A warning when the run's folder has room for fewer than `checkpoints` more checkpoints."""
+    size = checkpoint_bytes(directory)
+    if not size:
+        return None
+    free = shutil.disk_usage(directory).free
+    if free >= checkpoints * size:
+        return None
+    return (f"only {free / 2**20:,.0f} MB free in {directory}, and each checkpoint takes about {size / 2**20:,.1f} "
+            f"MB: room for {free // size} more; free some space before a long run")

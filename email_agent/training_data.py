@@ -21,6 +21,7 @@ It does not tokenize (ART does) and knows nothing of backends: they receive what
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Literal
 
 from art import Trajectory, TrajectoryGroup
@@ -114,11 +115,21 @@ def _trajectory(trajectory: Trajectory, form: ArgumentForm) -> Trajectory:
             "tools": tools_as_served(history.tools)}) for history in trajectory.additional_histories]})
 
 
-def for_grpo(groups: list[TrajectoryGroup], form: ArgumentForm) -> list[TrajectoryGroup]:
+def for_grpo(groups: list[TrajectoryGroup], form: ArgumentForm, min_reward_std: float = 0.0
+             ) -> list[TrajectoryGroup]:
     """A step's groups as every backend should tokenize them: each trained sequence is the prompt the server
-    rendered plus the ids it sampled, turn after turn."""
-    return [group.model_copy(update={"trajectories": [_trajectory(t, form) for t in group.trajectories]})
-            for group in groups]
+    rendered plus the ids it sampled, turn after turn. A group whose rewards spread less than `min_reward_std`
+    (judge noise) gets one reward for all, its mean: ART then trains none of it (zero advantages), and still
+    counts it as submitted."""
+    prepared = []
+    for group in groups:
+        trajectories = [_trajectory(t, form) for t in group.trajectories]
+        rewards = [t.reward for t in trajectories]
+        if rewards and statistics.pstdev(rewards) < min_reward_std:
+            trajectories = [t.model_copy(update={"reward": sum(rewards) / len(rewards)}) for t in trajectories]
+        prepared.append(group.model_copy(update={"trajectories": trajectories}))
+    return prepared
+
 
 
 def for_sft(trajectories: list[Trajectory], form: ArgumentForm) -> list[Trajectory]:

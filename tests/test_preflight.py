@@ -111,7 +111,7 @@ def test_step_metrics(demo_db, qs):
     trained_keys = {"loss/train": 0.1, "data/step_trainer_tokens": 3.0, "data/step_num_groups_trainable": 2.0}
     m = preflight.step_metrics(h, groups, trained_keys, max_seq_length=8192)
     assert m == {"trainable_group_share": 0.5, "trained_token_share": pytest.approx(3 / sampled),
-                 "ruler_errors": 0.0, "judge_errors": 0.0, "too_long": 0.0}
+                 "ruler_errors": 0.0, "judge_errors": 0.0, "close_groups": 0.0, "too_long": 0.0}
     skipped = {"data/step_trainer_tokens": 0.0, "data/step_num_groups_trainable": 0.0}  # ART's skipped step
     assert preflight.step_metrics(h, groups, skipped, 8192)["trained_token_share"] == 0.0
     # a backend that reports neither (a remote one): estimated from the sampled tokens of groups with variance

@@ -108,18 +108,19 @@ def test_failed_judge_is_recorded_not_zeroed_silently(group, reply):
     assert preflight.idle_cause(h).startswith("RULER could not score any group")
 
 
-def test_loop_shows_ruler_errors(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, capsys):
+def test_a_ruler_judge_that_never_scores_stops_the_loop_before_it_trains(demo_db, demo_db_path, qwen_style_model_dir,
+                                                                         tmp_path, monkeypatch):
+    """A reply that never parses does not pass by waiting: the run stops at the step, nothing trained (it used to
+    train on nothing and go on, step after step)."""
+    from email_agent import judging
     from test_preflight import run_loop
 
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
     scripts = {q.question: expert_script(q) for q in train_qs}
     scripts["judge"] = {"*": [{"text": json.dumps({"scores": []})}]}
-    made = run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, qwen_style_model_dir, max_steps=1,
-                    reward="ruler",
-                    ruler_model="openai/judge", judge_base_url=lambda url: url)
-    # RULER asked --judge-base-url's server (no --judge-model given): twice per group, one retry each
-    assert [r["model"] for r in made["requests"]].count("judge") == 4
-    out = capsys.readouterr().out
-    assert "RULER 2 of 2 groups" in out and "RULER errors 2" in out and "LEARNED NOTHING" in out
-    history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
-    assert [row["train/ruler_errors"] for row in history if "data/step_trainer_tokens" in row] == [2.0]
+    with pytest.raises(judging.JudgeDown, match=r"^the judge cannot grade step 1 \(RULER judge openai/judge: "
+                                                 r"ValueError: .*\), and waiting will not change that"):
+        run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, qwen_style_model_dir, max_steps=1,
+                 reward="ruler", ruler_model="openai/judge", judge_base_url=lambda url: url)
+    history = tmp_path / "email-agent/models/h/history.jsonl"
+    assert not history.exists() or "data/step_trainer_tokens" not in history.read_text()

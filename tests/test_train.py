@@ -163,10 +163,12 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     assert json.loads((cli.run_dir(cfg) / "run_config.json").read_text())["base_model"] == "b"
 
 
-def test_demo_preset_and_explicit_flags():
+def test_demo_preset_and_explicit_flags(monkeypatch):
     args = cli.make_parser().parse_args(["train", "--demo", "--max-steps", "7", "--no-single-source"])
     cfg = cli.config_from_args(args)
     assert (cfg.max_steps, cfg.single_source, cfg.db, cfg.sft_from) == (7, False, cli.DEMO_DB, "demo-expert")
+    # without --demo, a CPU run takes the CPU preset's episode shape and batch (test_judge_outage), a GPU run none
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
     assert cli.config_from_args(cli.make_parser().parse_args(["train"])) == cli.TrainConfig()
 
 

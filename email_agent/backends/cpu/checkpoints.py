@@ -43,12 +43,17 @@ def save_checkpoint(model_dir: str, step: int, peft: PeftModel, optimizer: torch
     final = get_step_checkpoint_dir(model_dir, step)
     temporary = os.path.join(os.path.dirname(final), f"{_TEMPORARY}{step:04d}-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
-    peft.save_pretrained(temporary, save_embedding_layers=False)  # only the LoRA
-    torch.save(optimizer.state_dict(), os.path.join(temporary, "optimizer.pt"))
-    internal = sampling_rng.getstate()
-    with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
-        json.dump({"step": step, "seed": seed, "mode": mode, "train_rng": base64.b64encode(bytes(train_rng.tolist())).decode(),
-                   "sampling_rng": [internal[0], list(internal[1]), internal[2]]}, f)
+    try:
+        peft.save_pretrained(temporary, save_embedding_layers=False)  # only the LoRA
+        torch.save(optimizer.state_dict(), os.path.join(temporary, "optimizer.pt"))
+        internal = sampling_rng.getstate()
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "seed": seed, "mode": mode,
+                       "train_rng": base64.b64encode(bytes(train_rng.tolist())).decode(),
+                       "sampling_rng": [internal[0], list(internal[1]), internal[2]]}, f)
+    except BaseException:  # a full disk, a kill: the half-written folder goes, the last checkpoint stays
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(temporary, final)
