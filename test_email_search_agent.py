@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import os
 import sqlite3
 import sys
 import time
@@ -42,30 +40,12 @@ async def evaluate(args) -> int:
     scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
                                         args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
-    check_output(out)
+    report.check_output(out)
     if scoring.judge:
         await scoring.judge.probe()
     if args.rejudge:
-        results = Path(args.rejudge) / "results.jsonl"
-        if not results.is_file():
-            raise DataError(f"--rejudge {args.rejudge}: no results.jsonl there (an output folder of this command).")
-        stored, torn = summary.read_results(results)
-        if torn:
-            print(f"note: {torn} unreadable line(s) in {results} skipped", file=sys.stderr)
-        if not stored:
-            raise DataError(f"--rejudge {args.rejudge}: results.jsonl holds no results to re-score.")
-        unique = {}
-        for record in stored:  # two files joined by hand would count each question twice
-            unique.setdefault((record["model"], str(record["question_id"])), record)
-        if len(unique) < len(stored):
-            print(f"note: {len(stored) - len(unique)} repeated answer(s) (same model and question) in {results} "
-                  f"skipped", file=sys.stderr)
-            stored = list(unique.values())
-        if any(bool(r.get("grounded_answers")) != args.grounded_answers for r in stored):
-            print(f"note: re-scoring {'with' if args.grounded_answers else 'without'} the grounding check "
-                  f"(--grounded-answers), unlike the evaluation in {args.rejudge}", file=sys.stderr)
-        records = [await evaluation.rejudge_record(r, scoring) for r in tqdm(stored, desc="re-judging", unit=" answers")]
-        keep_previous(out)
+        records = await evaluation.rejudge_folder(Path(args.rejudge), scoring, args.grounded_answers)
+        report.keep_previous(out)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return finish(out, records, {})
 
@@ -121,7 +101,7 @@ async def evaluate(args) -> int:
             for finished in asyncio.as_completed(tasks):
                 record = await finished
                 if results_file is None:
-                    keep_previous(out)
+                    report.keep_previous(out)
                     results_file = stack.enter_context(open(out / "results.jsonl", "w"))
                 records.append(record)
                 results_file.write(json.dumps(record) + "\n")
@@ -157,17 +137,7 @@ def finish(out: Path, records: list[dict], histories: dict, labels: list[str] = 
     records.sort(key=lambda r: (order.get(r["model"], 0), id_sort_key(r["question_id"])))
     figures = summary.summarize(records)
     paths = report.write_report(out, records, figures, histories=histories or None)
-    for label, s in figures["models"].items():
-        shape = s.get("episode") or {}
-        print(f"{label:>32}  accuracy {fmt(s['accuracy'])}  hallucination {fmt(s['hallucination_rate'])}  "
-              f"turns {fmt(s['avg_turns'], '.1f')}  n={s['n']}  errors {s['n_errors']}  "
-              f"tool_choice {s.get('tool_choice') or 'n/a'}  shape {shape.get('max_turns', '?')} turns/"
-              f"{shape.get('max_tokens', '?')} tokens")
-    for pair in figures["pairs"]:
-        leader = pair["a"] if pair["only_a"] >= pair["only_b"] else pair["b"]
-        verdict = f"{leader} is better" if pair["p_value"] < 0.05 else "no significant difference"
-        print(f"{pair['a']} vs {pair['b']}: {pair['only_a']} vs {pair['only_b']} questions only one got right, "
-              f"McNemar p={pair['p_value']:.3g}: {verdict}")
+    print("\n".join(summary.console_lines(figures)))
     print(f"report: {paths['html']}")
     failed = [label for label, s in figures["models"].items() if s["n"] and s["n_errors"] == s["n"]]
     for label in failed:
@@ -176,12 +146,10 @@ def finish(out: Path, records: list[dict], histories: dict, labels: list[str] = 
     return 1 if failed else 0
 
 
-def fmt(value, spec=".1%"):
-    return "n/a" if value is None else format(value, spec)
-
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                parents=[cli.console_flags()])
     p.add_argument("--model", action="append", default=[], metavar="SPEC",
                    help="a trained run (NAME[@STEP|@latest] under --art-dir, or its folder; served by the backend "
                         "it was trained on), 'base' (the untrained --base-model on CPU), or a prompted model: "
@@ -229,82 +197,13 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_output(out: Path) -> None:
-    """Before any model is served: an --output that cannot become a folder is a one-line error."""
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    run = next((p for p in (out.resolve(), *out.resolve().parents) if (p / "run_config.json").is_file()), None)
-    if run is not None:  # checkpoint pruning and --fresh delete what is in there
-        raise DataError(f"--output {out} is {'in ' if run != out.resolve() else ''}a training run's folder; give a "
-                        f"folder of its own, such as eval/NAME")
-    if not existing.is_dir():
-        raise DataError(f"--output {out}: {existing} is a file; give a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise DataError(f"--output {out}: cannot write in {existing}")
-    beside = out.resolve().parent
-    if (out / "results.jsonl").exists() and not os.access(beside, os.W_OK | os.X_OK):
-        raise DataError(f"--output {out} holds an evaluation, which would move aside into {beside}, where this "
-                        f"user cannot write; give another --output")
-
-
-OUTPUT_FILES = ("results.jsonl", "summary.json", "report.md", "report.html")  # what an evaluation writes
-
-
-def keep_previous(out: Path) -> None:
-    """Create `out`; an evaluation already there moves aside to OUT-<its time>/ rather than being overwritten
-    (its results.jsonl is what --rejudge needs). Only the evaluation's own files move: whatever else the
-    folder holds stays where it is."""
-    if (out / "results.jsonl").exists():
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((out / "results.jsonl").stat().st_mtime))
-        where = out.resolve()
-        kept = where.parent / f"{where.name or 'eval'}-{stamp}"
-        n = 1
-        while kept.exists():
-            n += 1
-            kept = where.parent / f"{where.name or 'eval'}-{stamp}-{n}"
-        kept.mkdir()
-        for file in OUTPUT_FILES:
-            if (out / file).exists():
-                (out / file).rename(kept / file)
-        print(f"note: the previous evaluation in {out} is now in {kept}", file=sys.stderr)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"--output {out}: {exc.strerror or exc}") from None
-
-
-def check_args(args) -> None:
-    """Numbers that would otherwise slice silently (--limit -5: all but 5), hang (--concurrency 0) or fail every
-    request once the models are served (--temperature nan); flags --rejudge would ignore."""
-    if args.rejudge:
-        ignored = [flag for flag, given in (("--model", args.model), ("--limit", args.limit is not None),
-                                            ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo),
-                                            ("--single-source", args.single_source),
-                                            *((f"--{f.replace('_', '-')}", getattr(args, f) is not None)
-                                              for f in ("max_turns", "max_tokens", "max_body_chars", "search_results")))
-                   if given]
-        if ignored:
-            raise DataError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
-                            f"{', '.join(ignored)} would change nothing")
-    for flag in ("limit", "concurrency", "max_turns", "max_tokens", "max_body_chars", "search_results"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
-    if not args.timeout > 0 or math.isinf(args.timeout):  # NaN fails the first test
-        raise DataError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
-    if not 0 <= args.temperature <= 2:  # what OpenAI-compatible servers accept; NaN fails it too
-        raise DataError(f"--temperature must be between 0 and 2, not {args.temperature}")
-    repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
-    if repeated:
-        raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    cli.log_to_stderr()
+    cli.console(args.quiet, args.verbose)
     cli.stop_on_sigterm()
     try:
         cli.check_text_arguments(argv if argv is not None else sys.argv[1:])
-        check_args(args)
+        evaluation.check_flags(args)
         if not args.model and not args.rejudge:
             args.model = [str(runs.latest_run(args.art_dir).path)]
         # the database the trained runs among the models were trained on, as `ask` does
@@ -323,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except Exception as exc:  # a full or read-only disk under the report
+        if (problem := runs.storage_problem(exc)) is None:
+            raise
+        print(f"Error: {problem}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from datetime import date
 from typing import Callable
 
 from . import evaluation, runs
+from .backends import ART_DIR
 from .data import DataError, Email, EmailDB, check_day, day_after
 from .questions import Question
 
@@ -106,3 +107,36 @@ def describe_call(name, arguments, outcome) -> str:
         return f"{shown}\n    " + (f"{email['date'][:16]}  {email['from_address']}  {email['subject'][:60]}"
                                     if email else "not found in this inbox")
     return shown
+
+
+def answer_text(result: Answer) -> str:
+    """The answer for a person: what it is, what it withheld, and each cited email (or that it made one up)."""
+    if result.answer is None:
+        return f"no answer after {result.turns} turns (raise --max-turns, or try another model)"
+    lines = [f"\nanswer: {result.answer}"]
+    if result.withheld:
+        lines.append(f"  (withheld {result.withheld['answer']!r}: {', '.join(result.withheld['unseen'])} in no email "
+                     f"or search result it saw)")
+    lines += [f"  {email.date}  {email.from_address}  {email.subject}  {mid}" if email else
+              f"  {mid}  (not an email in this inbox: the model made it up)" for mid, email in result.cited]
+    return "\n".join(lines)
+
+
+def add_arguments(p, default_db: str) -> None:
+    """The ask subcommand's flags."""
+    p.add_argument("question", metavar="QUESTION")
+    p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
+    p.add_argument("--as-of", metavar="DATE", help="the agent's today: mail dated later is hidden (default: today)")
+    p.add_argument("--db", metavar="PATH", help=f"database (default: the run's own, else {default_db})")
+    p.add_argument("--model", metavar="SPEC", help="RUN[@STEP] (default: the most recent run), base, or a "
+                                                   "provider/model such as openai/o4-mini or hosted_vllm/NAME")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint for a provider/model")
+    p.add_argument("--api-key", help="key for --base-url (default: OPENAI_API_KEY for openai/, else POLICY_API_KEY)")
+    p.add_argument("--max-turns", type=int, metavar="N", help="agent turns (default: what the run was trained with)")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="tokens per reply (default: what the run was trained "
+                                                               "with)")
+    p.add_argument("--grounded-answers", action="store_true",
+                   help="withhold an answer that names something (a word with a capital or a digit) in no email or "
+                        "search result the agent saw: it says \"I don't know\" and shows what it withheld")
+    p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
+    p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, turns, tool_calls, ...")

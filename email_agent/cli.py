@@ -8,9 +8,12 @@ first, so the library stays usable from a notebook or another program as it is.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import warnings
+
+PLAIN_PROGRESS_S = 30  # seconds between progress lines when stderr is a file or a CI log
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -25,7 +28,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def log_to_stderr(level: int = logging.INFO) -> None:
-    """The package's log records as `[module] message` lines on stderr (idempotent)."""
+    """The package's log records as `[module] message` lines on stderr (idempotent; the last level wins)."""
     # litellm's response objects trip pydantic's serializer checks on every call: harmless, not the user's problem.
     warnings.filterwarnings("ignore", message="Pydantic serializer warnings", category=UserWarning)
     package = logging.getLogger("email_agent")
@@ -34,6 +37,33 @@ def log_to_stderr(level: int = logging.INFO) -> None:
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[%(module)s] %(message)s"))
         package.addHandler(handler)
+
+
+class _PlainProgress:
+    """sys.stderr for a log file: the carriage return a progress bar redraws itself with becomes a new line."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(text.replace("\r", "\n").replace("\n\n", "\n"))
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def console(quiet: bool = False, verbose: bool = False) -> None:
+    """What every subcommand prints on stderr. --quiet: warnings and errors only, no progress bars; --verbose:
+    debug records too. When stderr is not a terminal (a log file, CI) progress bars print a plain line every
+    PLAIN_PROGRESS_S seconds instead of redrawing themselves."""
+    log_to_stderr(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
+    # numpy 2 on ART 0.5.18's packer: a notice for its authors, not for users
+    warnings.filterwarnings("ignore", message="__array_wrap__ must accept context", category=DeprecationWarning)
+    if quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm reads its defaults from TQDM_* variables
+    elif not sys.stderr.isatty() and not isinstance(sys.stderr, _PlainProgress):
+        os.environ.setdefault("TQDM_MININTERVAL", str(PLAIN_PROGRESS_S))
+        sys.stderr = _PlainProgress(sys.stderr)
 
 
 def stop_on_sigterm() -> None:
@@ -77,3 +107,42 @@ def add_dataclass_flags(parser, cls) -> None:
         else:
             parser.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None,
                                 metavar=f.name.upper(), help=help_text)
+
+
+def run_cancellable(coroutine) -> None:
+    """Run a training coroutine until done; Ctrl-C and SIGTERM end it like KeyboardInterrupt: the current step is
+    abandoned and the backend shut down by the coroutine's own `finally`."""
+    import asyncio
+
+    from .rollout import rollout
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(coroutine)
+
+    def stop() -> None:
+        # ART's gather counts a cancelled rollout as a failed one and goes on with the others, so cancelling the
+        # run alone would wait for the whole step's rollouts: the rollouts in flight are cancelled too.
+        task.cancel()
+        for other in asyncio.all_tasks(loop):
+            if getattr(other.get_coro(), "cr_code", None) is rollout.__code__:
+                other.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    loop.add_signal_handler(signal.SIGINT, stop)
+    try:
+        loop.run_until_complete(task)
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    finally:
+        loop.close()
+
+
+def console_flags():
+    """The parent parser of every subcommand's --quiet and --verbose."""
+    import argparse
+
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_mutually_exclusive_group()
+    group.add_argument("--quiet", action="store_true", help="warnings and errors only; no progress bars")
+    group.add_argument("--verbose", action="store_true", help="debug messages too")
+    return parent

@@ -22,6 +22,7 @@ import mailbox as mboxlib
 import os
 import re
 import sqlite3
+import textwrap
 import unicodedata
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
@@ -385,6 +386,11 @@ class SearchResult:
     date: str
     snippet: str
 
+    def as_text(self, rank: int) -> str:
+        """For a person (`search`): the rank, date, sender and subject, the id, the snippet wrapped."""
+        snippet = textwrap.indent(textwrap.fill(" ".join(self.snippet.split()), 100), "    ")
+        return f"{rank:>2}. {self.date}  {self.from_address}  {self.subject}\n    {self.message_id}\n{snippet}"
+
 
 @dataclass
 class Email:
@@ -397,6 +403,13 @@ class Email:
     bcc_addresses: list[str]
     body: str
     file_name: str
+
+    def as_text(self) -> str:
+        """For a person (`read`): the headers, then the body."""
+        lines = [f"Message-ID: {self.message_id}", f"Date: {self.date} UTC", f"From: {self.from_address}"]
+        lines += [f"{label}: {', '.join(addresses)}" for label, addresses in
+                  (("To", self.to_addresses), ("Cc", self.cc_addresses), ("Bcc", self.bcc_addresses)) if addresses]
+        return "\n".join(lines + [f"Subject: {self.subject}", "", self.body])
 
 
 @functools.lru_cache(maxsize=1 << 20)  # addresses repeat across a corpus; hashing each once saves ~10% of a build

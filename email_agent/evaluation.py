@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import weakref
 from dataclasses import asdict, dataclass, field, replace
@@ -68,6 +69,32 @@ class Contestant:
         """`scoring` (a RolloutConfig carrying the reward mode and judge) in this contestant's episode shape."""
         return replace(scoring, max_turns=self.shape.max_turns, max_body_chars=self.shape.max_body_chars,
                        search_results=self.shape.search_results)
+
+
+def check_flags(args) -> None:
+    """Numbers that would otherwise slice silently (--limit -5: all but 5), hang (--concurrency 0) or fail every
+    request once the models are served (--temperature nan); flags --rejudge would ignore."""
+    if args.rejudge:
+        ignored = [flag for flag, given in (("--model", args.model), ("--limit", args.limit is not None),
+                                            ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo),
+                                            ("--single-source", args.single_source),
+                                            *((f"--{f.replace('_', '-')}", getattr(args, f) is not None)
+                                              for f in ("max_turns", "max_tokens", "max_body_chars", "search_results")))
+                   if given]
+        if ignored:
+            raise DataError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
+                            f"{', '.join(ignored)} would change nothing")
+    for flag in ("limit", "concurrency", "max_turns", "max_tokens", "max_body_chars", "search_results"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+    if not args.timeout > 0 or math.isinf(args.timeout):  # NaN fails the first test
+        raise DataError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
+    if not 0 <= args.temperature <= 2:  # what OpenAI-compatible servers accept; NaN fails it too
+        raise DataError(f"--temperature must be between 0 and 2, not {args.temperature}")
+    repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
+    if repeated:
+        raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
 
 
 def check_specs(specs: list[str], art_dir: str) -> None:
@@ -331,6 +358,33 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
             "concurrency": contestant.policy.max_concurrency,
             "metrics": dict(m), "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
             "error": meta.get("error"), "messages": traj.messages()}
+
+
+async def rejudge_folder(folder: Path, config, grounded_answers: bool) -> list[dict]:
+    """Every answer of an earlier evaluation (its results.jsonl) scored again with `config`'s judge, without
+    playing the episodes again."""
+    from tqdm import tqdm
+
+    from .summary import read_results
+
+    results = folder / "results.jsonl"
+    if not results.is_file():
+        raise DataError(f"--rejudge {folder}: no results.jsonl there (an output folder of this command).")
+    stored, torn = read_results(results)
+    if torn:
+        log.warning("note: %d unreadable line(s) in %s skipped", torn, results)
+    if not stored:
+        raise DataError(f"--rejudge {folder}: results.jsonl holds no results to re-score.")
+    unique = {}
+    for record in stored:  # two files joined by hand would count each question twice
+        unique.setdefault((record["model"], str(record["question_id"])), record)
+    if len(unique) < len(stored):
+        log.warning("note: %d repeated answer(s) (same model and question) in %s skipped", len(stored) - len(unique),
+                    results)
+    if any(bool(r.get("grounded_answers")) != grounded_answers for r in unique.values()):
+        log.warning("note: re-scoring %s the grounding check (--grounded-answers), unlike the evaluation in %s",
+                    "with" if grounded_answers else "without", folder)
+    return [await rejudge_record(r, config) for r in tqdm(list(unique.values()), desc="re-judging", unit=" answers")]
 
 
 async def rejudge_record(record: dict, config) -> dict:

@@ -524,3 +524,26 @@ async def _run(batches, conn, cfg, cache, stored, summary, progress) -> list[dic
     finally:
         bar.close()
     return accepted
+
+
+def add_arguments(p, default_db: str) -> None:
+    """The generate-questions subcommand's flags (GenerateConfig's fields, as a person types them)."""
+    p.add_argument("--db", default=default_db, metavar="PATH", help=f"database from build-db (default {default_db})")
+    p.add_argument("--model", required=True, metavar="SPEC", help="any litellm model name (openai/gpt-4.1, "
+                                                                 "anthropic/..., hosted_vllm/NAME with --base-url)")
+    p.add_argument("--base-url", metavar="URL", help="an OpenAI-compatible endpoint (a litellm proxy, vLLM)")
+    p.add_argument("--inbox", action="append", metavar="ADDRESS", help="whose mail to ask about (repeat for several; "
+                                                                       "default: the largest inbox)")
+    p.add_argument("--max-questions", type=int, default=0, metavar="N", help="stop after N new questions (default: "
+                                                                             "use every batch)")
+    p.add_argument("--batch-size", type=int, default=20, metavar="N", help="emails per request (default 20)")
+    p.add_argument("--test-fraction", type=float, default=0.2, metavar="F", help="share of new questions held out "
+                                                                                 "for testing (default 0.2)")
+    p.add_argument("--min-realistic", type=float, default=0.0, metavar="X",
+                   help="reject questions the model rates less realistic than X (0..1, default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="batch order, query dates and split (default 0)")
+    p.add_argument("--replace", action="store_true", help="delete every stored question and cached reply first")
+    p.add_argument("--temperature", type=float, default=0.5, help="sampling temperature (default 0.5, as ART·E)")
+    p.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight (default 4)")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a request may take before it is tried again (default 120; 3 tries)")

@@ -153,3 +153,18 @@ def question_counts(db: EmailDB) -> dict[str, dict[str, int]]:
     """split -> {"total", "answerable"} (answerable: every cited email is in the database)."""
     rows = db.conn.execute("SELECT split, COUNT(*), SUM(gold_in_db) FROM questions GROUP BY split ORDER BY split")
     return {split: {"total": total, "answerable": answerable or 0} for split, total, answerable in rows}
+
+
+def training_questions(db: EmailDB, cfg) -> tuple[list[Question], list[Question], list[Question]]:
+    """(validation, train, GRPO) questions of a run (`cfg`: its TrainConfig), all from the train split: the
+    first `val_size` held out for validation, then at most `train_limit` to train on; GRPO's add replays asked
+    before their answer arrived (`unanswerable_share`), where abstaining beats inventing."""
+    questions = select_questions(db, "train", single_source=cfg.single_source, min_realistic=cfg.min_realistic,
+                                 seed=cfg.seed)
+    val, train = questions[:cfg.val_size], questions[cfg.val_size:]
+    train = train[:cfg.train_limit] if cfg.train_limit else train
+    if not train:
+        held_out = f"after holding out {cfg.val_size} for validation: a smaller --val-size, or " if cfg.val_size else ""
+        raise DataError(f"No answerable training questions in {cfg.db} ({held_out}write some with "
+                        f"`python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`).")
+    return val, train, with_unanswerable(train, db, cfg.unanswerable_share, cfg.seed)

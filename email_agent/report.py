@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import html
 import json
+import logging
+import os
 import re
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .data import DataError
 from .redact import redact
 from .summary import OUTCOMES, is_number, question_key, warm_start_steps
+
+log = logging.getLogger(__name__)
 
 VAL_METRICS = ["val/reward", "val/answer_correct", "val/valid_tool_call_rate", "val/hallucinated", "val/num_turns"]
 # The learning curve: the training reward (the rollouts GRPO learned from) beside the greedy validation metrics.
@@ -400,3 +406,48 @@ def write_report(out_dir, records, summary, *, title="Email search agent evaluat
     paths["markdown"].write_text(_markdown(title, records, summary, histories), encoding="utf-8")
     paths["html"].write_text(_html(title, records, summary, histories), encoding="utf-8")
     return paths
+
+
+# ---- the output folder ---------------------------------------------------------------------------------
+
+def check_output(out: Path) -> None:
+    """Before any model is served: an --output that cannot become a folder is a one-line error."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    run = next((p for p in (out.resolve(), *out.resolve().parents) if (p / "run_config.json").is_file()), None)
+    if run is not None:  # checkpoint pruning and --fresh delete what is in there
+        raise DataError(f"--output {out} is {'in ' if run != out.resolve() else ''}a training run's folder; give a "
+                        f"folder of its own, such as eval/NAME")
+    if not existing.is_dir():
+        raise DataError(f"--output {out}: {existing} is a file; give a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(f"--output {out}: cannot write in {existing}")
+    beside = out.resolve().parent
+    if (out / "results.jsonl").exists() and not os.access(beside, os.W_OK | os.X_OK):
+        raise DataError(f"--output {out} holds an evaluation, which would move aside into {beside}, where this "
+                        f"user cannot write; give another --output")
+
+
+OUTPUT_FILES = ("results.jsonl", "summary.json", "report.md", "report.html")  # what an evaluation writes
+
+
+def keep_previous(out: Path) -> None:
+    """Create `out`; an evaluation already there moves aside to OUT-<its time>/ rather than being overwritten
+    (its results.jsonl is what --rejudge needs). Only the evaluation's own files move: whatever else the
+    folder holds stays where it is."""
+    if (out / "results.jsonl").exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((out / "results.jsonl").stat().st_mtime))
+        where = out.resolve()
+        kept = where.parent / f"{where.name or 'eval'}-{stamp}"
+        n = 1
+        while kept.exists():
+            n += 1
+            kept = where.parent / f"{where.name or 'eval'}-{stamp}-{n}"
+        kept.mkdir()
+        for file in OUTPUT_FILES:
+            if (out / file).exists():
+                (out / file).rename(kept / file)
+        log.info("the previous evaluation in %s is now in %s", out, kept)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"--output {out}: {exc.strerror or exc}") from None

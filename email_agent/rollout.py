@@ -193,7 +193,15 @@ def record_verdict(traj: art.Trajectory, verdict: rewards.Verdict | None) -> Non
                           "verdict_transient": verdict.transient if verdict and verdict.error else None})
 
 
-async def regrade(traj: art.Trajectory, question: Question, config: RolloutConfig) -> art.Trajectory:
+async def regrade(group: art.TrajectoryGroup, questions: dict, config: RolloutConfig) -> art.TrajectoryGroup:
+    """Grade again the episodes of `group` the judge failed on (`questions`: by id)."""
+    for traj in group.trajectories:
+        if traj.metadata.get("verdict_error"):
+            await regrade_episode(traj, questions[traj.metadata["question_id"]], config)
+    return group
+
+
+async def regrade_episode(traj: art.Trajectory, question: Question, config: RolloutConfig) -> art.Trajectory:
     """Grade a finished episode again (its judge failed the first time): the rubric's outcome and the reward."""
     fields = Rubric.__dataclass_fields__
     rubric = Rubric(**{k: v for k, v in traj.metrics.items() if k in fields})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from pathlib import Path
 
 import art
@@ -219,3 +220,44 @@ def sft_source(source: str, db: EmailDB, questions: list[Question], config: Roll
             return teacher_trajectories(Path(source).expanduser(), db, config, held_out)
         return load()
     raise DataError(f"--sft-from {source!r}: expected 'demo-expert' or an evaluation folder with results.jsonl")
+
+
+async def warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config) -> list:
+    """The trajectories the warm start imitates: the demo expert's on the train questions, or a teacher's
+    judged-correct ones (none of the validation questions: the curve would score what it imitated)."""
+    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config, held_out=val_questions)
+    if cfg.sft_limit:
+        trajectories = trajectories[:cfg.sft_limit]
+    if not trajectories:
+        raise DataError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
+    return trajectories
+
+
+async def warm_start(cfg, model, trajectories: list) -> None:
+    """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch
+(`cfg`: the run's TrainConfig).
+
+    Resumable: the step the warm start began at is saved in the run state before the first epoch, so after an
+    interruption (even kill -9) the epochs already checkpointed are skipped, not re-run on top of themselves.
+    """
+    from art.utils.sft import create_lr_schedule
+
+    state = model.read_state() or {}
+    if "sft_start_step" not in state:
+        state = model.merge_state({"sft_start_step": await model.get_step()})
+    done = await model.get_step() - state["sft_start_step"]  # epochs already checkpointed
+    abstentions = sum(1 for t in trajectories if t.metrics.get("returned_i_dont_know"))
+    logger.info("warm start: %d trajectories from %s (%d end in \"I don't know\")%s", len(trajectories), cfg.sft_from,
+                abstentions, f"; resuming after epoch {done}" if done else "")
+    # One schedule over all epochs (ART's create_lr_schedule), so a resumed warm start picks up its own slice.
+    batches = -(-len(trajectories) // cfg.sft_batch_size)
+    rates = create_lr_schedule(batches * cfg.sft_epochs, cfg.sft_learning_rate, method=cfg.sft_schedule,
+                               warmup_steps=0 if cfg.sft_schedule == "constant" else batches * cfg.sft_epochs // 10)
+    for epoch in range(done, cfg.sft_epochs):
+        started = time.perf_counter()
+        await model.train_sft(trajectories, art.types.TrainSFTConfig(
+            learning_rate=rates[epoch * batches:(epoch + 1) * batches], batch_size=cfg.sft_batch_size))
+        step = await model.get_step()
+        await model.log(metrics={"sft_epoch": epoch + 1}, split="train", step=step)  # marks the step in the curve
+        logger.info("warm start epoch %d/%d done in %.0fs: checkpoint %d", epoch + 1, cfg.sft_epochs,
+                    time.perf_counter() - started, step)

@@ -241,3 +241,23 @@ def warm_start_steps(rows: list[dict]) -> set[int]:
         if "train/sft_epoch" in r or (train_keys and "train/reward" not in r):
             steps.add(int(r["step"]))
     return steps
+
+
+def console_lines(figures: dict) -> list[str]:
+    """The evaluation's summary for the terminal: a line per model, then each paired test."""
+    def fmt(value, spec=".1%"):
+        return "n/a" if value is None else format(value, spec)
+
+    lines = []
+    for label, s in figures["models"].items():
+        shape = s.get("episode") or {}
+        lines.append(f"{label:>32}  accuracy {fmt(s['accuracy'])}  hallucination {fmt(s['hallucination_rate'])}  "
+                     f"turns {fmt(s['avg_turns'], '.1f')}  n={s['n']}  errors {s['n_errors']}  "
+                     f"tool_choice {s.get('tool_choice') or 'n/a'}  shape {shape.get('max_turns', '?')} turns/"
+                     f"{shape.get('max_tokens', '?')} tokens")
+    for pair in figures["pairs"]:
+        leader = pair["a"] if pair["only_a"] >= pair["only_b"] else pair["b"]
+        verdict = f"{leader} is better" if pair["p_value"] < 0.05 else "no significant difference"
+        lines.append(f"{pair['a']} vs {pair['b']}: {pair['only_a']} vs {pair['only_b']} questions only one got "
+                     f"right, McNemar p={pair['p_value']:.3g}: {verdict}")
+    return lines

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import ROOT, needs_enron
-from email_agent import evaluation, runs
+from email_agent import evaluation, report, runs
 from email_agent import questions as qmod
 from email_agent.data import DataError
 from email_agent.rewards import JUDGE_PROBE, judge_request
@@ -474,8 +474,8 @@ def test_an_output_in_a_training_runs_folder_is_refused(demo_db_path, tmp_path, 
     assert not (run / "checkpoints" / "eval").exists()
     # a project folder that merely has a checkpoints/ folder is no run
     (tmp_path / "project" / "checkpoints").mkdir(parents=True)
-    evaluate.check_output(tmp_path / "project" / "eval")
-    evaluate.check_output(tmp_path / "project")
+    report.check_output(tmp_path / "project" / "eval")
+    report.check_output(tmp_path / "project")
 
 
 def test_remote_runs_go_to_their_backend_and_need_its_key(demo_db_path, tmp_path, capsys, monkeypatch):

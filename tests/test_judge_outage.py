@@ -141,7 +141,7 @@ def test_each_reward_mode_says_what_it_uses(monkeypatch, demo_db, demo_db_path, 
     code, _, _, _ = run(monkeypatch, demo_db, demo_db_path, tmp_path, qwen_style_model_dir, Judge(), tokenizer)
     err = capsys.readouterr().err
     assert code == 0
-    assert "reward: RULER openai/judge at http://127.0.0.1:" in err and "ranks each group" in err
+    assert "reward       RULER openai/judge at http://127.0.0.1:" in err and "ranks each group" in err
     assert "no judge configured" not in err
     judge = rewards.LLMJudge("openai/grader", api_base="http://localhost:6688")
     assert rewards.describe("offline", None) == ("offline (right > \"I don't know\" > wrong, with partial credit); "

@@ -16,9 +16,9 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from email_agent import backends, runs
+from email_agent import backends, config, runs, sft
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
-from scripted_server import call, expert_script, serve_in_thread
+from scripted_server import call, expert_script
 
 import test_email_search_agent as evaluate_cli
 import train_email_search_agent as cli
@@ -327,7 +327,7 @@ def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, qwen_s
         return wrapper
 
     monkeypatch.setattr(tracing, "traced_rollout", fake_traced)
-    monkeypatch.setattr(cli, "wandb_installed", lambda: True)
+    monkeypatch.setattr(config, "wandb_installed", lambda: True)
     monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
     train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="w", art_dir=str(tmp_path),
                      db=str(demo_db_path), val_size=1, train_limit=2, groups_per_step=1, rollouts_per_group=2,
@@ -351,7 +351,7 @@ def test_no_wandb_run_without_the_flag_even_with_a_key(demo_db, demo_db_path, qw
     err = capsys.readouterr().err
     assert "W&B: off (no --wandb)" in err and "wandb-test-key" not in err
     monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
-    monkeypatch.setattr(cli, "wandb_installed", lambda: True)
+    monkeypatch.setattr(config, "wandb_installed", lambda: True)
     _, _, wandb_runs = train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="yw",
                                         art_dir=str(tmp_path), db=str(demo_db_path), val_size=1, train_limit=2,
                                         groups_per_step=1, rollouts_per_group=2, max_steps=1, eval_every=5,
@@ -360,7 +360,7 @@ def test_no_wandb_run_without_the_flag_even_with_a_key(demo_db, demo_db_path, qw
 
 
 def test_wandb_without_the_package_is_a_clear_error(demo_db_path, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "wandb_installed", lambda: False)
+    monkeypatch.setattr(config, "wandb_installed", lambda: False)
     code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--wandb",
                      "--backend", "cpu"])
     assert code == 1 and "pip install wandb==0.25.0" in capsys.readouterr().err
@@ -401,26 +401,30 @@ class SFTRecorder:
         self.run["log"].append((step, metrics))
 
 
-def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, capsys):
+def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caplog):
+    import logging
+
     from email_agent import questions
+
+    caplog.set_level(logging.INFO, logger="email_agent")
     from email_agent.rollout import RolloutConfig
 
     cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=6, sft_epochs=3, sft_learning_rate=1e-3,
                           sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
+    episodes = asyncio.run(sft.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
-        asyncio.run(cli.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
+        asyncio.run(sft.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
     assert run["step"] == 1 and len(run["trained"]) == 1
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), episodes))
+    asyncio.run(sft.warm_start(cfg, SFTRecorder(run), episodes))
     # Epochs 2 and 3 ran once each, on top of epoch 1's checkpoint: no epoch repeated, none skipped.
     assert run["trained"] == [(0, 6, [1e-3]), (1, 6, [1e-3]), (2, 6, [1e-3])] and run["step"] == 3
-    assert "resuming after epoch 1" in capsys.readouterr().err
+    assert "resuming after epoch 1" in caplog.text
     assert [m for _, m in run["log"]] == [{"sft_epoch": 1}, {"sft_epoch": 2}, {"sft_epoch": 3}]  # curve markers
     assert [s for s, _ in run["log"]] == [1, 2, 3]
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
+    asyncio.run(sft.warm_start(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
     assert len(run["trained"]) == 3
 
 
@@ -432,17 +436,17 @@ def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stop
                           sft_learning_rate=1e-3, sft_schedule="linear")
     train = questions.select_questions(demo_db, "train", seed=0)[:30]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(cli.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
+    episodes = asyncio.run(sft.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(whole), episodes))
+    asyncio.run(sft.warm_start(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]
     # 2 epochs of 5 batches: one warm-up batch up to the peak, then a straight line down to 0 at the last batch.
     assert len(rates) == 10 and rates[0] == pytest.approx(1e-3) and rates[-1] == 0
     assert all(a > b for a, b in zip(rates[1:], rates[2:]))
     interrupted = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):
-        asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
-    asyncio.run(cli.warm_start(cfg, SFTRecorder(interrupted), episodes))
+        asyncio.run(sft.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
+    asyncio.run(sft.warm_start(cfg, SFTRecorder(interrupted), episodes))
     assert interrupted["trained"] == whole["trained"]  # epoch 2 got epoch 2's rates, not the schedule's start
 
 

@@ -1,0 +1,203 @@
+"""A training run's configuration: the typed `TrainConfig` (one flag per field, its comment the help text), the
+presets (`--demo`, and the CPU backend's episode shape and batch), the checks made before anything loads, and
+what is saved beside the run (`run_config.json`) and told at its start.
+
+The training loop itself is in train_email_search_agent.py; this module owns no behaviour of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .backends import ART_DIR, PROJECT, run_path
+from .data import DataError
+from .episode import EpisodeShape
+
+DEFAULT_DB = "data/enron_emails.db"
+DEMO_DB = "data/demo.db"
+
+
+@dataclass
+class TrainConfig:
+    # run
+    name: str = "agent"  # run name: checkpoints and logs go to <art-dir>/<project>/models/<name>
+    project: str = PROJECT  # ART project (also the W&B project)
+    art_dir: str = ART_DIR  # where runs live
+    fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
+    preflight: bool = False  # gather one step's groups, say whether GRPO can learn from them, exit 1 if not; no training
+    seed: int = 0  # one seed for question order, sampling and LoRA init
+    backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
+    base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
+    # data
+    demo: bool = False  # the bundled demo inbox (builds data/demo.db if missing) with the small CPU preset
+    db: str = DEFAULT_DB  # database from build-db
+    train_limit: int = 0  # use only the first N training questions (0: all)
+    val_size: int = 100  # validation questions, held out of the *train* split (the test split stays unseen)
+    single_source: bool = True  # only questions answered by one email (as ART·E trains)
+    min_realistic: float = 0.0  # only questions with how_realistic >= this
+    unanswerable_share: float = 0.0  # share of GRPO questions asked the day before their gold email (best reply: I don't know)
+    # ---- ALGO LOGIC: GRPO hyperparameters (ART·E agent_008 on GPU) ----
+    groups_per_step: int = 12  # questions per step
+    rollouts_per_group: int = 4  # rollouts per question; GRPO compares them
+    num_epochs: int = 3  # passes over the training questions
+    max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
+    learning_rate: float = 1.2e-5
+    advantage_balance: float = 0.0  # ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)
+    scale_rewards: bool = True  # divide each group's advantages by its reward std (ART's default); off: Dr. GRPO
+    max_turns: int = EpisodeShape.max_turns  # agent turns per question
+    max_tokens: int = EpisodeShape.max_tokens  # tokens per model reply
+    max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies
+    search_results: int = EpisodeShape.search_results  # results per search when the model does not ask for a number
+    temperature: float = 1.0  # rollout sampling temperature
+    eval_every: int = 30  # validate every N steps (and at the end)
+    keep_checkpoints: str = "best"  # best: keep the latest and the best (val/reward) checkpoint; all: keep every one
+    # rewards
+    reward: str = ""  # offline | shaped | judge | ruler; default: shaped with a judge, offline without
+    judge_model: str = ""  # litellm model name of the judge (or JUDGE_MODEL)
+    judge_base_url: str = ""  # api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE)
+    ruler_model: str = ""  # judge for --reward ruler (default: the judge model)
+    hallucination_penalty: float = 1.0  # what a wrong answer costs (offline/shaped); higher: answers only when surer
+    judge_patience: float = 600.0  # seconds a step waits for a failing judge (5xx, 429, timeouts) before the run stops
+    min_reward_std: float = 0.01  # a group whose rewards spread less (std) is judge noise: not trained on
+    # warm start (supervised, before RL)
+    sft_from: str = ""  # demo-expert, or an evaluation folder of a teacher model (its judged-correct episodes)
+    sft_only: bool = False  # stop after the warm start
+    sft_limit: int = 0  # use at most N warm-start trajectories (0: all)
+    sft_epochs: int = 1  # passes over the warm-start trajectories (one checkpoint each)
+    sft_learning_rate: float = 1e-4  # peak; the CPU preset uses 1e-3: a 135M model's LoRA barely moves at 1e-4
+    sft_batch_size: int = 8  # trajectories per optimiser step
+    sft_schedule: str = "linear"  # rate over all warm-start batches: linear/cosine to 0 after 10% warm-up, or constant
+    # GPU (local backend) memory settings and LoRA shape
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    gpu_memory_utilization: float = 0.8  # vLLM's share of the GPU; 0.6-0.7 when a 7B run shares a 24 GB card
+    max_seq_length: int = 8192  # trainer and vLLM context
+    enforce_eager: bool = False  # skip CUDA-graph capture (saves memory on 24 GB cards)
+    max_num_seqs: int = 64  # concurrent sequences in vLLM
+    concurrency: int = 32  # simultaneous rollouts
+    cpu_train_threads: int = 0  # torch threads for CPU training (0: all cores; 1 if other jobs share the machine)
+    wandb: bool = False  # log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)
+
+
+# The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
+# The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of them
+# abstentions) at a constant 1e-3 (the first 170 only, tried to save 2 minutes, warm-started to 34% right and the
+# six steps then taught "I don't know" to 45 of 50 test questions: bench/RESULTS.md). Six small GRPO steps then
+# teach it when to abstain: with ART's std-scaled advantages a group with no right answer still pushes "I don't
+# know" over a wrong one (on 50 test questions: hallucination 36% after the warm start, 14-26% after the six
+# steps; 38-48% right). A stronger warm start (rising to 2e-3, then linearly to 0) made the same six steps
+# over-teach abstention (72% "I don't know").
+# bench/bench_learning.py, with more steps and --no-scale-rewards, is where RL adds right answers instead.
+# Every run of this preset and of the changes tried on it: bench/RESULTS.md.
+DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
+                   sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=2, rollouts_per_group=4,
+                   num_epochs=1, max_steps=6, learning_rate=1e-4, advantage_balance=0.5, temperature=0.7, max_turns=4,
+                   max_tokens=64, max_body_chars=600, search_results=3, eval_every=3, val_size=8, concurrency=8)
+
+
+def run_dir(cfg: TrainConfig) -> Path:
+    return run_path(cfg.art_dir, cfg.project, cfg.name)
+
+
+def saved_config(cfg: TrainConfig, backend: str) -> dict:
+    """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
+    is served where it was trained and plays the episodes it learned on."""
+    return {**asdict(cfg), "db": str(Path(cfg.db).resolve()),  # found from any folder the run is evaluated in
+            "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))}
+
+
+# What a CPU run takes from the demo preset when these flags are not given: its episode shape and batch. The
+# GPU-scale defaults (12 groups x 4 rollouts of up to 10 turns of 2,048 tokens) take hours a step on two cores.
+CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", "max_turns", "max_tokens", "max_body_chars",
+                   "search_results", "concurrency")
+
+
+def given_flags(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+
+
+def cpu_preset(args) -> dict:
+    """The CPU preset's values a run on the CPU backend (named, or chosen for want of CUDA) takes without --demo:
+    those of `CPU_PRESET_KEYS` not given as flags."""
+    from . import backends
+
+    given = given_flags(args)
+    if given.get("demo") or backends.resolve_backend(given.get("backend", "auto")) != "cpu":
+        return {}
+    return {key: DEMO_PRESET[key] for key in CPU_PRESET_KEYS if key not in given}
+
+
+def config_from_args(args) -> TrainConfig:
+    given = given_flags(args)
+    preset = DEMO_PRESET if given.get("demo") else cpu_preset(args)
+    return TrainConfig(**{**preset, **given})
+
+
+def wandb_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
+def check(cfg: TrainConfig) -> None:
+    """Values no run can use, refused with one sentence before anything loads."""
+    if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
+        raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
+                        "preflight without --fresh, or under another --name.")
+    if cfg.wandb and not wandb_installed():  # ART 0.5.18's model.log imports it for W&B metrics
+        raise DataError("--wandb logs through the wandb package, which is not installed here: "
+                        "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
+    if cfg.keep_checkpoints not in ("best", "all"):
+        raise DataError("--keep-checkpoints is best or all")
+    if not -1 <= cfg.advantage_balance <= 1:
+        raise DataError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
+    if cfg.sft_schedule not in ("constant", "linear", "cosine"):
+        raise DataError(f"--sft-schedule is constant, linear or cosine, not {cfg.sft_schedule!r}")
+    if not cfg.hallucination_penalty >= 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
+        raise DataError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
+    for key in ("learning_rate", "sft_learning_rate"):
+        if not 0 < getattr(cfg, key) < math.inf:
+            raise DataError(f"--{key.replace('_', '-')} must be above 0, not {getattr(cfg, key)}")
+    if not 0 <= cfg.temperature < math.inf:
+        raise DataError(f"--temperature must be at least 0, not {cfg.temperature}")
+    if not 0 <= cfg.min_realistic <= 1:  # ART·E's how_realistic scores run from 0 to 1
+        raise DataError(f"--min-realistic must be between 0 and 1, not {cfg.min_realistic}")
+    for key in ("judge_patience", "min_reward_std"):
+        if not 0 <= getattr(cfg, key) < math.inf:
+            raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+    if not 0 <= cfg.unanswerable_share < 1:
+        raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
+    for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
+                "sft_batch_size", "max_turns", "max_tokens", "max_body_chars", "search_results", "lora_rank",
+                "lora_alpha"):
+        if getattr(cfg, key) < 1:
+            raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
+    for key in ("val_size", "train_limit", "sft_limit", "max_steps"):
+        if getattr(cfg, key) < 0:
+            raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+    if cfg.sft_only and not cfg.sft_from:
+        raise DataError("--sft-only stops after the warm start, and --sft-from names none; give --sft-from "
+                        "demo-expert or an evaluation folder")
+    if cfg.sft_from not in ("", "demo-expert") and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
+        raise DataError(f"--sft-from {cfg.sft_from}: expected 'demo-expert' or an evaluation folder with results.jsonl "
+                        "(an output folder of test_email_search_agent.py)")
+
+
+def summary(cfg: TrainConfig, backend: str, train: int, unanswerable: int, val: int, steps: int,
+            reward: str) -> list[str]:
+    """What a run is about to do, for a person, at its start (every setting is in run_config.json)."""
+    replays = f" (+{unanswerable} asked before their answer arrived)" if unanswerable else ""
+    warm = (f"{cfg.sft_from}, {cfg.sft_epochs} epoch(s) at learning rate {cfg.sft_learning_rate:g}" if cfg.sft_from
+            else "none")
+    return [f"run          {cfg.name} in {run_dir(cfg)} (all settings: run_config.json there)",
+            f"backend      {backend}: {cfg.base_model}, LoRA rank {cfg.lora_rank}",
+            f"data         {cfg.db}: {train} train{replays} / {val} validation questions (the test split unused)",
+            f"episodes     up to {cfg.max_turns} turns of {cfg.max_tokens} tokens; {cfg.search_results} results per "
+            f"search, emails cut at {cfg.max_body_chars} characters",
+            f"warm start   {warm}",
+            f"GRPO         {steps} steps of {cfg.groups_per_step} questions x {cfg.rollouts_per_group} rollouts at "
+            f"learning rate {cfg.learning_rate:g}; validation every {cfg.eval_every} steps",
+            f"reward       {reward}",
+            "stop         Ctrl-C; the same command resumes from the last checkpoint"]
