@@ -206,12 +206,16 @@ class LLMJudge:
 
     def __post_init__(self):
         if self.cache_path and Path(self.cache_path).exists():
-            for line in Path(self.cache_path).read_text().splitlines():
+            text = Path(self.cache_path).read_text()
+            if text and not text.endswith("\n"):  # a line a killed run cut off: gone, or the next verdict joins it
+                with open(self.cache_path, "r+") as f:
+                    f.truncate(len(text[:text.rfind("\n") + 1].encode()))
+            for line in text.splitlines():
                 try:
                     row = json.loads(line)
                     self._cache[row["key"]] = Verdict(**row["verdict"])
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a torn last line from an interrupted run
+                    continue  # a torn line from an interrupted run
 
     def litellm_params(self) -> dict:
         return endpoint_params(self.api_base, self.api_key, self.timeout)

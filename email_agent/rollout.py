@@ -135,6 +135,10 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
             error = f"policy API error: {type(exc).__name__}: {redact(str(exc)[:300])}"
             break
         rubric.latency_s += seconds
+        if not response.choices:  # a server may answer 200 with nothing in it: the episode ends as an API error
+            rubric.api_errors += 1
+            error = "policy API error: the reply had no choices"
+            break
         env_started = time.perf_counter()
         rubric.num_turns += 1
         if response.usage:

@@ -38,7 +38,13 @@ def test_ask_shows_each_call_then_the_answer_and_cited_emails(demo_db, demo_db_p
     assert "tool_choice" not in out.out and "correct" not in out.out  # no gold answer, nothing graded
 
 
-def test_ask_json(demo_db_path, q, tmp_path, capsys):
+def day_before(day: str) -> str:
+    from datetime import date, timedelta
+
+    return (date.fromisoformat(day) - timedelta(days=1)).isoformat()
+
+
+def test_ask_json(demo_db, demo_db_path, q, tmp_path, capsys):
     script = [{"text": "let me think"}, *expert_script(q)]
     with serve_in_thread({q.question: script}) as server:
         assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/x",
@@ -47,6 +53,15 @@ def test_ask_json(demo_db_path, q, tmp_path, capsys):
     assert result["answer"] == q.answer and result["sources"] == q.message_ids and result["turns"] == 4
     assert [c["tool"] for c in result["tool_calls"]] == [None, "search_inbox", "read_email", "return_final_answer"]
     assert result["cited"][0]["message_id"] == q.message_ids[0] and result["as_of"] == q.query_date
+    assert f"Today's date is {q.query_date}" in server.requests[0]["messages"][0]["content"]
+    # --as-of is the agent's today: asked the day before the gold email was sent, it cannot read it
+    gold_day = demo_db.read(q.message_ids[0]).date[:10]
+    with serve_in_thread({q.question: script}) as server:
+        assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "hosted_vllm/x",
+                   "--base-url", server.base_url, "--json", "--as-of", day_before(gold_day), "--art-dir", tmp_path) == 0
+    result = json.loads(capsys.readouterr().out)
+    read_reply = [m["content"] for m in server.requests[-1]["messages"] if m["role"] == "tool"][1]
+    assert "no email with message_id" in read_reply and result["cited"] == []
 
 
 def test_ask_with_grounded_answers_withholds_an_invented_answer(demo_db_path, q, tmp_path, capsys):
@@ -65,8 +80,6 @@ def test_ask_with_grounded_answers_withholds_an_invented_answer(demo_db_path, q,
 
 
 def test_ask_without_model_uses_the_most_recent_run_and_its_shape(demo_db_path, q, tmp_path, capsys, monkeypatch):
-    from email_agent import backends
-
     assert ask("Anything?", "--inbox", q.inbox_address, "--db", demo_db_path, "--art-dir", tmp_path / "none") == 1
     err = capsys.readouterr().err
     assert "no trained run under" in err and "--model" in err and "base" in err and "Traceback" not in err
@@ -141,4 +154,6 @@ def test_ask_the_real_base_model_on_cpu(demo_db_path, q, tmp_path, capsys):
     assert ask(q.question, "--inbox", q.inbox_address, "--db", demo_db_path, "--model", "base", "--max-turns", 1,
                "--max-tokens", 16, "--json", "--art-dir", tmp_path) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["model"] == "base:SmolLM2-135M-Instruct" and result["turns"] == 1 and len(result["tool_calls"]) >= 1
+    assert result["model"] == "base:SmolLM2-135M-Instruct" and result["turns"] == 1 and result["tool_calls"]
+    # one turn: it either answered or ran out of turns, and the JSON says which
+    assert result["ran_out_of_turns"] == (result["answer"] is None)

@@ -1,5 +1,7 @@
 """The database build (sources, atomicity, counts) and the read-only search/read queries."""
 
+import datetime
+import email
 import gzip
 import json
 import mailbox
@@ -8,8 +10,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import datetime
-import email
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -114,16 +114,40 @@ def test_hostile_keywords_never_raise(small_db, keywords):
         assert isinstance(db.search("bob@x.com", kw), list)
 
 
-@pytest.mark.parametrize("kw", ['"', '""', "*", "falcon*", "NEAR(falcon pipeline)", "falcon AND", "-falcon",
-                                "(falcon", "body:falcon", "^falcon", "\x00falcon", "", "   ", "falcon OR zebra"])
+# keyword -> what it finds alone, and beside "falcon": every FTS5 operator is taken literally. Punctuation is not
+# part of a token (so "falcon*" is the word falcon); a keyword without a token finds nothing alone and is ignored
+# beside another; operators are words, so "falcon OR zebra" is a phrase no email holds, and "body:" names no column.
+FALCON = "falcon"  # the ten visible emails of bob@x.com saying "falcon pipeline"
+LITERAL = {'"': ([], FALCON), '""': ([], FALCON), "*": ([], FALCON), "": ([], FALCON), "   ": ([], FALCON),
+           "falcon*": (FALCON, FALCON), "-falcon": (FALCON, FALCON), "(falcon": (FALCON, FALCON),
+           "^falcon": (FALCON, FALCON), "\x00falcon": (FALCON, FALCON),
+           "NEAR(falcon pipeline)": ([], []), "falcon AND": ([], []), "body:falcon": ([], []),
+           "falcon OR zebra": ([], [])}
+
+
+@pytest.mark.parametrize("kw", list(LITERAL))
 def test_fts_operators_are_literal(small_db, kw):
+    """Catches a search that passes FTS5 syntax through: an OR, NEAR, column filter or prefix * would widen or
+    break the search the agent asked for."""
     _, db = small_db
-    results = db.search("bob@x.com", [kw])
-    if kw in ("falcon*", "-falcon", "(falcon", "^falcon", "\x00falcon"):
-        assert len(results) == 10  # punctuation is not part of a token: the word itself matches
-    elif kw in ("falcon OR zebra", "falcon AND", "NEAR(falcon pipeline)"):
-        assert results == [] or all("falcon" in r.snippet.lower() for r in results)
-        assert kw != "falcon OR zebra" or results == []  # OR is a word here, not an operator
+    falcon = [r.message_id for r in db.search("bob@x.com", ["falcon"])]
+    assert len(falcon) == 10
+    alone, beside = ([r.message_id for r in db.search("bob@x.com", keywords)] for keywords in ([kw], [kw, "falcon"]))
+    expected_alone, expected_beside = (falcon if e == FALCON else e for e in LITERAL[kw])
+    assert (alone, beside) == (expected_alone, expected_beside)
+
+
+def test_from_and_to_filters_find_what_they_name(small_db):
+    """Positive cases of the sender and recipient filters (a filter that matched nothing would pass a test that
+    only checks what it excludes)."""
+    _, db = small_db
+    assert {r.message_id for r in db.search("erin@x.com", ["falcon"], from_address="dave@x.com")} == {"<m30@x>"}
+    assert db.search("erin@x.com", ["falcon"], from_address="alice@x.com") == []
+    to_bob = {r.message_id for r in db.search("carol@x.com", ["falcon"], to_address="BOB@x.com", max_results=20)}
+    assert to_bob == {f"<m{i}@x>" for i in range(10)} | {"<m31@x>"}
+    cc_carol = {r.message_id for r in db.search("bob@x.com", ["falcon"], to_address="carol@x.com", max_results=20)}
+    assert cc_carol == to_bob  # to_address matches cc too
+    assert db.search("bob@x.com", ["falcon"], to_address="erin@x.com") == []
 
 
 def test_database_is_read_only(small_db):
@@ -522,3 +546,27 @@ def test_swapped_emails_and_questions_files_are_caught(tmp_path):
                                tmp_path / "out.db", *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and message in proc.stderr and "first: record 1: missing" in proc.stderr
         assert not (tmp_path / "out.db").exists()
+
+
+def test_search_and_read_as_of_hide_later_mail(demo_db, demo_db_path, capsys):
+    """`search --as-of` and `read --as-of` show what the agent sees on that day: mail sent later is hidden (a
+    flag that only parsed, or a bound off by a day, would show it)."""
+    import train_email_search_agent as cli
+
+    q = questions.select_questions(demo_db, "test", seed=0)[0]
+    gold = demo_db.read(q.message_ids[0])
+    word = next(w for w in gold.subject.split() if len(w) > 3 and w.isalpha())
+    args = ["search", "--db", str(demo_db_path), "--inbox", q.inbox_address, word, "--json", "--max-results", "20"]
+    assert cli.main(args) == 0
+    everything = {r["message_id"] for r in json.loads(capsys.readouterr().out)}
+    day_of = gold.date[:10]
+    assert cli.main(args + ["--as-of", day_of]) == 0
+    on_the_day = {r["message_id"] for r in json.loads(capsys.readouterr().out)}
+    before = str(datetime.date.fromisoformat(day_of) - datetime.timedelta(days=1))
+    assert cli.main(args + ["--as-of", before]) == 0
+    the_day_before = {r["message_id"] for r in json.loads(capsys.readouterr().out)}
+    assert gold.message_id in everything and gold.message_id in on_the_day  # its own day counts
+    assert gold.message_id not in the_day_before and the_day_before <= on_the_day <= everything
+    assert all(demo_db.read(m).date[:10] <= before for m in the_day_before)
+    assert cli.main(["read", "--db", str(demo_db_path), gold.message_id, "--as-of", before]) == 1
+    assert f"exists, but --as-of {before} hides it" in capsys.readouterr().err

@@ -122,25 +122,53 @@ def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
     assert traj.metrics["api_errors"] == 1 and "Timeout" in traj.metadata["error"]
 
 
+def test_a_reply_with_no_choices_is_an_api_error_not_a_crash(demo_db, q):
+    """`choices: []` from a policy server crashed the rollout (IndexError) and with it the whole step."""
+    empty = {"raw": {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [],
+                     "usage": {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}}}
+    (traj,), _ = run(play(demo_db, {q.question: [empty]}, [q]))
+    assert traj.metrics["api_errors"] == 1 and traj.metrics["answer_correct"] == 0 and traj.metrics["num_turns"] == 0
+    assert traj.metadata["error"] == "policy API error: the reply had no choices"
+    assert traj.reward == rewards.reward("offline", rewards.Rubric(api_errors=1), 10, 0)
+
+
 def test_cannot_read_other_inboxes_or_future_mail(demo_db, q):
+    """The agent's search and read are scoped to the question's inbox and to mail sent up to its day. Catches a
+    rollout whose tools lose either bound (a search that drops `visible_until` shows the future email below; one
+    that drops the inbox shows the other inbox's), and a read that does the same."""
     other = demo_db.conn.execute(
         "SELECT message_id FROM emails e WHERE NOT EXISTS (SELECT 1 FROM mailbox m WHERE m.address = ? "
         "AND m.email_id = e.id) LIMIT 1", (q.inbox_address,)).fetchone()[0]
     future = demo_db.conn.execute(
         "SELECT message_id FROM emails e WHERE date >= ? AND EXISTS (SELECT 1 FROM mailbox m WHERE m.address = ? "
         "AND m.email_id = e.id) LIMIT 1", (q.query_date + " 23:59:59", q.inbox_address)).fetchone()[0]
+
+    def word_also_visible(message_id, inbox):
+        """A word of the email's subject that the scoped search finds in visible mail too: a search for it lists
+        results, and would list the email itself without the bound under test."""
+        email = demo_db.read(message_id)
+        for word in (w.strip(".,:;!?()'\"") for w in email.subject.split()):
+            if len(word) > 3 and demo_db.search(q.inbox_address, [word], visible_until=q.query_date + " 24") and \
+                    message_id in {r.message_id for r in demo_db.search(inbox, [word], max_results=20)}:
+                return word
+        raise AssertionError(f"no word of {email.subject!r} to search with")
+
+    owner = demo_db.conn.execute("SELECT address FROM mailbox m JOIN emails e ON e.id = m.email_id "
+                                 "WHERE e.message_id = ? LIMIT 1", (other,)).fetchone()[0]
+    future_word, other_word = word_also_visible(future, q.inbox_address), word_also_visible(other, owner)
     script = {q.question: [call("read_email", {"message_id": other}), call("read_email", {"message_id": future}),
-                           call("search_inbox", {"keywords": ["larkspur"], "max_results": 20,
-                                                 "to_address": "someone.else@larkspur.example"}),
-                           call("search_inbox", {"keywords": ["larkspur"], "sent_after": "2030-01-01"}),
+                           call("search_inbox", {"keywords": [future_word], "max_results": 20}),
+                           call("search_inbox", {"keywords": [other_word], "max_results": 20}),
                            call("search_inbox", {"keywords": ['") OR 1=1 --', "*", "NEAR(a b)"]})]}
     (traj,), server = run(play(demo_db, script, [q], RolloutConfig(max_turns=5)))
     contents = [m["content"] for m in server.requests[-1]["messages"] if m["role"] == "tool"]
     assert "no email with message_id" in contents[0] and "no email with message_id" in contents[1]
     assert traj.metrics["ever_read_invalid_email"] == 1 and traj.metrics["bad_tool_args"] == 0
-    visible = {r["message_id"] for c in contents[2:] if c.startswith("[") for r in json.loads(c)}
-    for mid in visible:
-        assert demo_db.read(mid, inbox=q.inbox_address, visible_until=None).date < q.query_date + " 24"
+    for content in contents[2:4]:
+        listed = {r["message_id"] for r in json.loads(content)}
+        assert listed and future not in listed and other not in listed
+        for mid in listed:  # each one in the inbox, and sent by the question's day
+            assert demo_db.read(mid, inbox=q.inbox_address, visible_until=q.query_date + " 24") is not None
 
 
 def test_concurrent_rollouts(demo_db):
