@@ -215,8 +215,8 @@ async def train(cfg: TrainConfig) -> None:
     unanswerable = len(rl_questions) - len(train_questions)
     steps = cfg.max_steps or cfg.num_epochs * -(-len(rl_questions) // cfg.groups_per_step)
     print("\n".join(config.summary(cfg, backend_name, len(train_questions), unanswerable, len(val_questions), steps,
-                                   rewards.describe(reward_mode, judge, ruler_model, ruler_params.get("api_base")))),
-          file=sys.stderr)
+                                   rewards.describe(reward_mode, judge, ruler_model, ruler_params.get("api_base")),
+                                   warm_start_done=bool(state.get("sft_done")))), file=sys.stderr)
     try:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
@@ -263,7 +263,7 @@ async def train(cfg: TrainConfig) -> None:
         if warm_start_pending:
             sft_episodes = sft_episodes or await sft.warm_start_episodes(cfg, db, train_questions, val_questions,
                                                                      rollout_config)
-            await sft.warm_start(cfg, model, training_data.for_sft(sft_episodes, arguments))
+            await sft.warm_start(cfg, model, training_data.for_sft(sft_episodes, arguments), say=cli.say)
             state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
             sft_steps = state["sft_steps"]
             policy.model = model.get_inference_name()

@@ -146,3 +146,8 @@ def console_flags():
     group.add_argument("--quiet", action="store_true", help="warnings and errors only; no progress bars")
     group.add_argument("--verbose", action="store_true", help="debug messages too")
     return parent
+
+
+def say(line: str) -> None:
+    """A line of a long command's progress on stdout, flushed at once (a pipe or a log file would hold it back)."""
+    print(line, flush=True)

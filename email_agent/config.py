@@ -186,11 +186,11 @@ def check(cfg: TrainConfig) -> None:
 
 
 def summary(cfg: TrainConfig, backend: str, train: int, unanswerable: int, val: int, steps: int,
-            reward: str) -> list[str]:
+            reward: str, warm_start_done: bool = False) -> list[str]:
     """What a run is about to do, for a person, at its start (every setting is in run_config.json)."""
     replays = f" (+{unanswerable} asked before their answer arrived)" if unanswerable else ""
     warm = (f"{cfg.sft_from}, {cfg.sft_epochs} epoch(s) at learning rate {cfg.sft_learning_rate:g}" if cfg.sft_from
-            else "none")
+            else "none") + (" (done earlier in this run)" if warm_start_done else "")
     return [f"run          {cfg.name} in {run_dir(cfg)} (all settings: run_config.json there)",
             f"backend      {backend}: {cfg.base_model}, LoRA rank {cfg.lora_rank}",
             f"data         {cfg.db}: {train} train{replays} / {val} validation questions (the test split unused)",

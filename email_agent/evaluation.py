@@ -270,8 +270,8 @@ def cannot_serve(run: Run, step: str, reason: str) -> str:
     return message + (f" To evaluate it anyway, serve the checkpoint with vLLM on a GPU machine: `vllm serve "
                       f"{run.base_model} --enable-lora --max-lora-rank {rank} --lora-modules {run.name}={folder} "
                       f"--enable-auto-tool-choice --tool-call-parser hermes`, then pass --model "
-                      f"hosted_vllm/{run.name} --base-url http://HOST:8000/v1 (see the README, 'A GPU run, "
-                      f"evaluated anywhere').")
+                      f"hosted_vllm/{run.name} --base-url http://HOST:8000/v1 (see docs/evaluation.md, 'A GPU "
+                      f"run, evaluated anywhere').")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import art
 from openai.types.chat import ChatCompletion
@@ -233,11 +234,11 @@ async def warm_start_episodes(cfg, db, train_questions, val_questions, rollout_c
     return trajectories
 
 
-async def warm_start(cfg, model, trajectories: list) -> None:
+async def warm_start(cfg, model, trajectories: list, say: Callable[[str], None] = logger.info) -> None:
     """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch
 (`cfg`: the run's TrainConfig).
 
-    Resumable: the step the warm start began at is saved in the run state before the first epoch, so after an
+    `say` gets a line per epoch (step, epoch, seconds). Resumable: the step the warm start began at is saved in the run state before the first epoch, so after an
     interruption (even kill -9) the epochs already checkpointed are skipped, not re-run on top of themselves.
     """
     from art.utils.sft import create_lr_schedule
@@ -259,5 +260,4 @@ async def warm_start(cfg, model, trajectories: list) -> None:
             learning_rate=rates[epoch * batches:(epoch + 1) * batches], batch_size=cfg.sft_batch_size))
         step = await model.get_step()
         await model.log(metrics={"sft_epoch": epoch + 1}, split="train", step=step)  # marks the step in the curve
-        logger.info("warm start epoch %d/%d done in %.0fs: checkpoint %d", epoch + 1, cfg.sft_epochs,
-                    time.perf_counter() - started, step)
+        say(f"sft  {step:>4}  epoch {epoch + 1}/{cfg.sft_epochs}  {time.perf_counter() - started:.0f}s")

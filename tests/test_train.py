@@ -74,7 +74,8 @@ def test_cpu_end_to_end_train_resume_evaluate(demo_db_path, tmp_path):
                             timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming run 't'" in second.stderr
-    assert "warm start" not in second.stderr  # done once, remembered in the run's state
+    assert "warm start: " not in second.stderr  # done once, remembered in the run's state
+    assert "warm start   demo-expert, 1 epoch(s) at learning rate 0.001 (done earlier in this run)" in second.stderr
     assert re.search(r"^step\s+3\b", second.stdout, re.M)  # continued at step 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "0003"
 
