@@ -109,7 +109,8 @@ async def evaluate(args) -> int:
                 tally = correct[record["model"]]
                 tally[0] += record["metrics"]["answer_correct"]
                 tally[1] += 1
-                bar.set_postfix_str(" ".join(f"{k}={v[0] / max(v[1], 1):.0%}" for k, v in correct.items()))
+                bar.set_postfix_str(" ".join(f"{k}={v[0] / max(v[1], 1):.0%}" for k, v in correct.items()),
+                                    refresh=False)
                 bar.update()
         except (KeyboardInterrupt, asyncio.CancelledError):
             for task in tasks:

@@ -159,7 +159,8 @@ class CPUBackend:
             for batch, rate in zip(batches, rates):
                 metrics = await self._worker.call(self._trainer.sft_batch, batch, rate)
                 bar.update(len(batch))
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
+                                refresh=False)  # drawn with the next update, as often as tqdm's mininterval allows
                 yield metrics
         await self._worker.call(self._advance_step, True)
 
