@@ -293,15 +293,12 @@ def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
         r.missing.append(f"free GPU memory: {gpu.free_gib:.1f} GiB free, vLLM's share and the parked trainer take "
                          f"{e.vllm_share + TRAINER_FIXED_GIB:.1f}; stop what else runs on the GPU (nvidia-smi) or "
                          f"lower --gpu-memory-utilization")
-    try:
-        import psutil
+    import psutil  # installed with peft (and accelerate, on a GPU)
 
-        host = psutil.virtual_memory().total / GiB
-        if host < e.host:
-            r.missing.append(f"host memory: {host:.0f} GiB, and a sleeping vLLM and the parked trainer keep "
-                             f"{e.host:.0f} GiB there; use a smaller --base-model")
-    except ImportError:
-        pass
+    host = psutil.virtual_memory().total / GiB
+    if host < e.host:
+        r.missing.append(f"host memory: {host:.0f} GiB, and a sleeping vLLM and the parked trainer keep "
+                         f"{e.host:.0f} GiB there; use a smaller --base-model")
 
 
 # ---- a guard for ART 0.5.18 ---------------------------------------------------------------------------------
