@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import warnings
 
 PLAIN_PROGRESS_S = 30  # seconds between progress lines when stderr is a file or a CI log
@@ -40,13 +41,30 @@ def log_to_stderr(level: int = logging.INFO) -> None:
 
 
 class _PlainProgress:
-    """sys.stderr for a log file: the carriage return a progress bar redraws itself with becomes a new line."""
+    """sys.stderr for a log file: a progress bar's redraws (a carriage return, then the bar) become a plain line at
+    most every PLAIN_PROGRESS_S seconds, and the bar's last state when it closes. tqdm's own `mininterval` cannot do
+    this alone: ART's gather bar redraws itself through `set_postfix` after every rollout, which ignores it."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
+        self._pending = ""  # the latest frame not yet written
+        self._written_at = float("-inf")
 
     def write(self, text: str) -> int:
-        return self._stream.write(text.replace("\r", "\n").replace("\n\n", "\n"))
+        if text.startswith("\r"):
+            self._pending = text.strip()
+            if self._pending and time.monotonic() - self._written_at >= PLAIN_PROGRESS_S:
+                self._flush_frame()
+            return len(text)
+        if text.startswith("\n") and self._pending:  # the bar closes: its final state
+            self._flush_frame()
+            text = text[1:]
+        return self._stream.write(text) if text else 0
+
+    def _flush_frame(self) -> None:
+        self._stream.write(self._pending + "\n")
+        self._stream.flush()
+        self._pending, self._written_at = "", time.monotonic()
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
