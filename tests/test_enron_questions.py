@@ -68,6 +68,13 @@ def test_an_answer_not_in_the_cited_email_is_dropped(sample):
         "answer not in the cited emails"
 
 
+def test_an_answer_that_is_just_the_subject_line_is_dropped(sample):
+    assert assemble.problem(draft("What did Tanya write about?", "LCs", ["<1>"]), sample) == \
+        "answer is just a cited email's subject"
+    assert assemble.problem(draft("What did Enserco agree about the LCs?", "extend the LC to January 31st", ["<1>"]),
+                            sample) is None
+
+
 def test_answers_match_however_the_figure_is_written(sample):
     for answer in ("$1,200,000", "1200000", "$1,200,000.00 LC", "the LC: January 31st"):
         assert assemble.problem(draft("How large is Enserco's LC?", answer, ["<1>"]), sample) is None, answer

@@ -10,7 +10,8 @@ is kept only if:
 - every cited email is dated strictly before query_date (the agent's "today": stored dates compared with
   email_agent.data.day_start, as the tools compare them);
 - every content word of the answer (lower-cased, stopwords and punctuation dropped, "$1,200.00" read as "1200")
-  is in a cited email's subject or body;
+  is in a cited email's subject or body, and the answer is not just a cited email's subject (a question
+  answered by the search results' subject lines alone does not need the email read);
 - it is not a near-duplicate of a question already kept for the same inbox: Jaccard similarity of the two
   questions' content words >= 0.7 (a rewording of the same question), or the same answer drawn from the same
   email (the same fact asked twice, which would weigh it double).
@@ -46,6 +47,7 @@ STOPWORDS = frozenset(
     "a an the and or of to in on at for by with from as is are was were be been it its this that these those "
     "he she his her him they them their we our us you your i my me who what when where which how whose whom "
     "did does do not no per about".split())
+REPLY_PREFIXES = frozenset({"re", "fw", "fwd"})
 MONTHS = re.compile(r"\b(jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\b|\d+/\d+", re.I)
 
 
@@ -71,7 +73,7 @@ def load_emails(path) -> dict[str, dict]:
             continue
         members = {row["from_address"], *row["to"], *row["cc"], *row["bcc"]} - {""}
         emails[row["message_id"]] = {"date": row["date"], "members": members,
-                                     "text": row["subject"] + "\n" + row["body"]}
+                                     "subject": row["subject"], "text": row["subject"] + "\n" + row["body"]}
     return emails
 
 
@@ -102,6 +104,8 @@ def problem(q, emails: dict[str, dict]) -> str | None:
         return "answer has no content words"
     if not set(answer) <= {w for e in cited for w in words(e["text"])}:
         return "answer not in the cited emails"
+    if any(set(answer) == set(words(e["subject"])) - REPLY_PREFIXES for e in cited):
+        return "answer is just a cited email's subject"
     return None
 
 
