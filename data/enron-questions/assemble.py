@@ -193,11 +193,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(HERE / "questions.jsonl"), help="where to write the set (default: %(default)s)")
     args = p.parse_args(argv)
     paths = args.drafts or sorted(HERE.glob("draft-*.jsonl"))
+    if not paths:
+        print(f"error: no draft files given and none (draft-*.jsonl) in {HERE}", file=sys.stderr)
+        return 1
     try:
         emails = load_emails(args.emails)
         kept, dropped = assemble(read_drafts(paths), emails)
-    except (DataError, OSError) as exc:
+    except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 1
     for q, reason in dropped:
         print(f"dropped ({reason}): {str(q.get('question', q.get('_where', q)))[:100]!r} -> {q.get('answer')!r}")
