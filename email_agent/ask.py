@@ -65,6 +65,17 @@ async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Op
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
     it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
     see `rollout.withhold_ungrounded`."""
+    async with contextlib.AsyncExitStack() as stack:
+        contestant = await evaluation.open_contestant(spec, options, stack)
+        await evaluation.probe(contestant)
+        if on_start:
+            on_start(contestant.label, contestant.shape.describe())
+        return await answer_question(contestant, question, db, grounded_answers, on_call)
+
+
+async def answer_question(contestant: evaluation.Contestant, question: Question, db: EmailDB,
+                          grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
+    """One rollout of an open contestant (served once, asked many times by `serve`), in its episode shape."""
     from .rollout import RolloutConfig, rollout
 
     calls: list[dict] = []
@@ -75,13 +86,8 @@ async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Op
         if on_call:
             on_call(name, arguments, outcome)
 
-    async with contextlib.AsyncExitStack() as stack:
-        contestant = await evaluation.open_contestant(spec, options, stack)
-        await evaluation.probe(contestant)
-        if on_start:
-            on_start(contestant.label, contestant.shape.describe())
-        config = contestant.rollout_config(RolloutConfig(grounded_answers=grounded_answers))
-        traj = await rollout(contestant.policy, question, db, config, on_call=record)
+    config = contestant.rollout_config(RolloutConfig(grounded_answers=grounded_answers))
+    traj = await rollout(contestant.policy, question, db, config, on_call=record)
     if traj.metadata.get("error"):
         raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
     sources = json.loads(traj.metadata["sources"])
