@@ -25,9 +25,13 @@ def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Que
     if not text.strip():
         raise DataError("the question is empty.")
     db.require_inbox(inbox)
-    # a malformed date (even '') is a one-sentence error; a timestamp counts as its day, as the prompt says
-    as_of = date.today().isoformat() if as_of is None else check_day("--as-of", as_of).strip()[:10]
-    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")
+    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), query_day(as_of), "ask")
+
+
+def query_day(as_of: str | None, name: str = "--as-of") -> str:
+    """The agent's today: `as_of`, else today. A malformed date (even '') is a one-sentence error naming `name`;
+    a timestamp counts as its day, as the prompt says."""
+    return date.today().isoformat() if as_of is None else check_day(name, as_of).strip()[:10]
 
 
 def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db: str) -> tuple[str, EmailDB]:

@@ -23,8 +23,7 @@ from pydantic import Field
 
 from . import ask, evaluation, tools
 from .backends import ART_DIR
-from .data import DataError, EmailDB, check_day
-from .questions import Question
+from .data import DataError, EmailDB
 
 log = logging.getLogger(__name__)
 
@@ -115,28 +114,28 @@ def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answer
     from mcp.server.mcpserver.exceptions import ToolError
 
     shape = contestant.shape
-    state = {"ready": ready}
     server = MCPServer("email-search-agent", instructions=(
         "Answers questions about an email inbox. ask_inbox: a trained agent searches the inbox and answers with "
         "the emails it cites. search_inbox and read_email: search and read the inbox yourself."))
-    def tool_inbox(inbox: str | None, as_of: str | None) -> tools.Inbox:
-        question = checked_question(scope, "search", inbox, as_of)
-        return tools.Inbox(scope.db, question.inbox_address, question.query_date, shape.max_body_chars,
-                           shape.search_results)
 
-    @server.tool()
+    def tool_inbox(inbox: str | None, as_of: str | None) -> tools.Inbox:
+        return tools.Inbox(scope.db, scope.inbox(inbox), tool_day(as_of), shape.max_body_chars, shape.search_results)
+
+    @server.tool(description="Ask the trained email agent a question about one inbox. It searches and reads the "
+                             "mail itself and returns its answer, the emails it cites (message_id, date, from, "
+                             "subject) and the turns it took." + (" An answer that names something found in no email "
+                                                                  "it saw is withheld (\"I don't know\")."
+                                                                  if grounded_answers else ""))
     async def ask_inbox(question: Annotated[str, Field(description="the question, in plain words")],
                         inbox: InboxArg = None, as_of: AsOfArg = None) -> dict:
-        """Ask the trained email agent a question about one inbox. It searches and reads the mail itself and
-        returns its answer, the emails it cites (message_id, date, from, subject) and the turns it took. An
-        answer that names something found in no email it saw is withheld ("I don't know")."""
         if len(question) > MAX_QUESTION_CHARS:
             raise ToolError(f"the question is {len(question)} characters; ask one of at most {MAX_QUESTION_CHARS}.")
-        asked = checked_question(scope, question, inbox, as_of)
+        nonlocal ready
         try:
-            if not state["ready"]:
+            asked = ask.adhoc_question(scope.db, question, scope.inbox(inbox), tool_day(as_of))
+            if not ready:
                 await evaluation.probe(contestant)
-                state["ready"] = True
+                ready = True
             result = await ask.answer_question(contestant, asked, scope.db, grounded_answers)
         except DataError as exc:
             raise ToolError(str(exc)) from None
@@ -177,13 +176,12 @@ def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answer
     return server
 
 
-def checked_question(scope: Scope, text: str, inbox: str | None, as_of: str | None) -> Question:
-    """The inbox (within the scope) and the day of a request, as `ask` checks them; a ToolError otherwise."""
+def tool_day(as_of: str | None) -> str:
+    """The day a tool call is asked, as `ask` reads --as-of; a ToolError if malformed."""
     from mcp.server.mcpserver.exceptions import ToolError
 
-    address = scope.inbox(inbox)
     try:
-        return ask.adhoc_question(scope.db, text, address, check_day("as_of", as_of))
+        return ask.query_day(as_of, "as_of")
     except DataError as exc:
         raise ToolError(str(exc)) from None
 

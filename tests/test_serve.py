@@ -136,6 +136,7 @@ def test_over_stdio_list_ask_search_read(demo_db, demo_db_path, q, policy, tmp_p
 
     listed, answer, found, read = anyio.run(session_calls)
     assert sorted(t.name for t in listed.tools) == ["ask_inbox", "read_email", "search_inbox"]
+    assert "withheld" in next(t for t in listed.tools if t.name == "ask_inbox").description  # grounding is on
     schema = next(t for t in listed.tools if t.name == "search_inbox").input_schema
     assert {"keywords", "inbox", "from_address", "sent_after", "max_results"} <= set(schema["properties"])
     answer = result_json(answer)
