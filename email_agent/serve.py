@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -127,7 +127,7 @@ def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answer
                                                                   "it saw is withheld (\"I don't know\")."
                                                                   if grounded_answers else ""))
     async def ask_inbox(question: Annotated[str, Field(description="the question, in plain words")],
-                        inbox: InboxArg = None, as_of: AsOfArg = None) -> dict:
+                        inbox: InboxArg = None, as_of: AsOfArg = None) -> dict[str, Any]:
         if len(question) > MAX_QUESTION_CHARS:
             raise ToolError(f"the question is {len(question)} characters; ask one of at most {MAX_QUESTION_CHARS}.")
         nonlocal ready
@@ -150,19 +150,19 @@ def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answer
             sent_after: Annotated[str | None, Field(description="YYYY-MM-DD, inclusive")] = None,
             sent_before: Annotated[str | None, Field(description="YYYY-MM-DD, exclusive")] = None,
             max_results: Annotated[int | None, Field(description="1-20 (default: as the agent searches)")] = None,
-            as_of: AsOfArg = None) -> list[dict]:
+            as_of: AsOfArg = None) -> dict[str, Any]:
         """Search one inbox for emails containing ALL the keywords, best match first: the agent's own search.
-        Returns message_id, subject, from_address, date and a snippet of each."""
+        Returns {"results": [...]}: message_id, subject, from_address, date and a snippet of each."""
         arguments = dict(keywords=keywords, from_address=from_address, to_address=to_address,
                          sent_after=sent_after, sent_before=sent_before, max_results=max_results)
         outcome = tools.call_tool(tool_inbox(inbox, as_of), "search_inbox", arguments)
         if outcome.error:
             raise ToolError(outcome.content.removeprefix("Error: "))
-        return outcome.result
+        return {"results": outcome.result}
 
     @server.tool()
     async def read_email(message_id: Annotated[str, Field(description="a message_id from search_inbox")],
-                         inbox: InboxArg = None, as_of: AsOfArg = None) -> dict:
+                         inbox: InboxArg = None, as_of: AsOfArg = None) -> dict[str, Any]:
         """Read one email of the inbox in full (headers, recipients, body): the agent's own read."""
         mailbox = tool_inbox(inbox, as_of)
         outcome = tools.call_tool(mailbox, "read_email", {"message_id": message_id})

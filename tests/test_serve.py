@@ -69,7 +69,8 @@ def free_port() -> int:
 
 def result_json(result):
     assert not result.is_error, result.content[0].text
-    return result.structured_content if result.structured_content is not None else json.loads(result.content[0].text)
+    assert result.structured_content == json.loads(result.content[0].text)  # structured, and as text for older clients
+    return result.structured_content
 
 
 def error_text(result) -> str:
@@ -144,7 +145,7 @@ def test_over_stdio_list_ask_search_read(demo_db, demo_db_path, q, policy, tmp_p
     assert answer["answer"] == q.answer and answer["inbox"] == q.inbox_address and answer["turns"] == 3
     assert answer["cited"] == [{"message_id": gold.message_id, "date": gold.date, "from": gold.from_address,
                                 "subject": gold.subject}]
-    assert gold.message_id in [r["message_id"] for r in result_json(found)["result"]]
+    assert gold.message_id in [r["message_id"] for r in result_json(found)["results"]]
     email = result_json(read)
     assert email["message_id"] == gold.message_id and email["body"].startswith(gold.body[:50])
 
@@ -275,7 +276,7 @@ def test_a_model_that_is_down_is_a_tool_error_and_the_tools_still_work(demo_db_p
     assert "cannot reach http://127.0.0.1:9/v1" in error_text(down)
     # no --inbox: every inbox is allowed, and each request names its own
     assert error_text(no_inbox) == "give `inbox`: the email address whose mail to use."
-    assert result_json(search)["result"]
+    assert result_json(search)["results"]
     logged = (tmp_path / "stderr.log").read_text()
     assert "no --inbox given: any client may search and read every inbox" in logged
 
