@@ -107,11 +107,12 @@ async def throughput(args, spec, base_url, questions) -> None:
                 raise DataError("serve --http exited before it listened")
             await asyncio.sleep(0.2)
 
-        async def client(queue: asyncio.Queue) -> None:
+        async def client(queue: asyncio.Queue, connected: asyncio.Barrier) -> None:
             async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=600)) as http, \
                     streamable_http_client(url, http_client=http) as (read, write), \
                     ClientSession(read, write) as session:
                 await session.initialize()
+                await connected.wait()  # the clock starts once every client has its session
                 while not queue.empty():
                     q = queue.get_nowait()
                     result = await session.call_tool("ask_inbox", {"question": q.question, "inbox": q.inbox_address,
@@ -125,8 +126,11 @@ async def throughput(args, spec, base_url, questions) -> None:
             queue = asyncio.Queue()
             for q in asked:
                 queue.put_nowait(q)
+            connected = asyncio.Barrier(clients + 1)
+            tasks = [asyncio.create_task(client(queue, connected)) for _ in range(clients)]
+            await connected.wait()
             started = time.perf_counter()
-            await asyncio.gather(*(client(queue) for _ in range(clients)))
+            await asyncio.gather(*tasks)
             seconds[clients] = time.perf_counter() - started
             print(f"  {clients} client(s): {len(asked)} answers in {seconds[clients]:6.1f} s = "
                   f"{len(asked) / seconds[clients] * 60:6.1f} answers/min", flush=True)

@@ -205,9 +205,22 @@ def bearer_guard(app, token: str):
     return guarded
 
 
+def log_libraries() -> None:
+    """The SDK's and uvicorn's warnings as `[logger] message` lines on stderr. Without a root handler the SDK
+    installs its own at INFO, which repeats the package's lines and adds one per HTTP request and session."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setLevel(logging.WARNING)
+        handler.addFilter(lambda record: not record.name.startswith("email_agent"))  # the package has its own
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        root.addHandler(handler)
+
+
 async def serve(settings: Settings) -> None:
     """Open the model once, then serve MCP requests until interrupted."""
     check_settings(settings)
+    log_libraries()
     spec, db = ask.model_and_db(settings.model, settings.db, settings.options.art_dir, settings.default_db)
     allowed = tuple(dict.fromkeys(address.strip().lower() for address in settings.inboxes))
     for address in allowed:
@@ -224,7 +237,7 @@ async def serve(settings: Settings) -> None:
             await evaluation.probe(contestant)
         except DataError as exc:
             ready = False
-            log.warning("%s; ask_inbox will fail until it answers (search_inbox and read_email work)", exc)
+            log.warning("%s (ask_inbox fails until it answers; search_inbox and read_email work)", exc)
         server = make_server(contestant, scope, settings.grounded_answers, ready)
         where = ", ".join(allowed) or "every inbox"
         log.info("serving %s (%s) over %s for %s of %s", contestant.label, contestant.shape.describe(),
