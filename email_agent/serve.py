@@ -239,9 +239,8 @@ async def serve(settings: Settings) -> None:
             ready = False
             log.warning("%s (ask_inbox fails until it answers; search_inbox and read_email work)", exc)
         server = make_server(contestant, scope, settings.grounded_answers, ready)
-        where = ", ".join(allowed) or "every inbox"
-        log.info("serving %s (%s) over %s for %s of %s", contestant.label, contestant.shape.describe(),
-                 f"http://{settings.http}/mcp" if settings.http else "stdio", where, db.path)
+        log.info("serving %s (%s) for %s of %s", contestant.label, contestant.shape.describe(),
+                 ", ".join(allowed) or "every inbox", db.path)
         if settings.http is None:
             await server.run_stdio_async()
         else:
@@ -251,6 +250,8 @@ async def serve(settings: Settings) -> None:
 async def serve_http(server, host: str, port: int, token: str | None) -> None:
     import uvicorn
 
+    log.info("streamable HTTP at http://%s:%d/mcp%s", f"[{host}]" if ":" in host else host, port,
+             " (bearer token required)" if token else "")
     app = server.streamable_http_app(host=host)
     if token:
         app = bearer_guard(app, token)

@@ -266,13 +266,16 @@ def test_refused_at_start_with_one_clear_error(demo_db_path, q, tmp_path, capsys
 
 def test_a_model_that_is_down_is_a_tool_error_and_the_tools_still_work(demo_db_path, q, tmp_path):
     async def calls():
-        argv = serve_argv(demo_db_path, None, "http://127.0.0.1:9/v1", tmp_path)
+        argv = serve_argv(demo_db_path, None, "http://127.0.0.1:9/v1", tmp_path, "--no-grounded-answers")
         async with over_stdio(argv, tmp_path / "stderr.log") as session:
-            return [await session.call_tool("ask_inbox", {"question": q.question, "inbox": q.inbox_address}),
+            listed = await session.list_tools()
+            return [next(t for t in listed.tools if t.name == "ask_inbox"),
+                    await session.call_tool("ask_inbox", {"question": q.question, "inbox": q.inbox_address}),
                     await session.call_tool("ask_inbox", {"question": q.question}),
                     await session.call_tool("search_inbox", {"keywords": ["review"], "inbox": q.inbox_address})]
 
-    down, no_inbox, search = anyio.run(calls)
+    ask_tool, down, no_inbox, search = anyio.run(calls)
+    assert "withheld" not in ask_tool.description  # --no-grounded-answers
     assert "cannot reach http://127.0.0.1:9/v1" in error_text(down)
     # no --inbox: every inbox is allowed, and each request names its own
     assert error_text(no_inbox) == "give `inbox`: the email address whose mail to use."
