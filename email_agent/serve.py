@@ -15,6 +15,7 @@ import hmac
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -230,6 +231,7 @@ async def serve(settings: Settings) -> None:
                     "(repeatable) to allow only those", db.path)
     scope = Scope(db, allowed)
     async with contextlib.AsyncExitStack() as stack:
+        listening = None if settings.http is None else stack.enter_context(listen(*parse_http(settings.http)))
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the stdio transport's: nothing else may write there
             contestant = await evaluation.open_contestant(spec, settings.options, stack)
         ready = True
@@ -244,18 +246,28 @@ async def serve(settings: Settings) -> None:
         if settings.http is None:
             await server.run_stdio_async()
         else:
-            await serve_http(server, *parse_http(settings.http), settings.token)
+            await serve_http(server, listening, settings.token)
 
 
-async def serve_http(server, host: str, port: int, token: str | None) -> None:
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the model loads: a port in use is a one-sentence error at once."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise DataError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+async def serve_http(server, sock: socket.socket, token: str | None) -> None:
     import uvicorn
 
+    host, port = sock.getsockname()[:2]
     log.info("streamable HTTP at http://%s:%d/mcp%s", f"[{host}]" if ":" in host else host, port,
              " (bearer token required)" if token else "")
     app = server.streamable_http_app(host=host)
     if token:
         app = bearer_guard(app, token)
-    await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
+    # log_config=None: uvicorn's errors go through the handler of `log_libraries`, not a format of its own
+    await uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning")).serve(sockets=[sock])
 
 
 def add_arguments(p, default_db: str) -> None:

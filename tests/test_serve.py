@@ -264,6 +264,16 @@ def test_refused_at_start_with_one_clear_error(demo_db_path, q, tmp_path, capsys
     assert rc == 1 and message in err and "Traceback" not in err and err.count("\n") == 1
 
 
+def test_a_port_in_use_is_one_clear_error_before_the_model_loads(demo_db_path, tmp_path, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        rc = cli.main(["serve", "--db", str(demo_db_path), "--model", "base", "--art-dir", str(tmp_path),
+                       "--http", f"127.0.0.1:{port}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"Error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "Traceback" not in err and "SmolLM2" not in err
+
+
 def test_a_model_that_is_down_is_a_tool_error_and_the_tools_still_work(demo_db_path, q, tmp_path):
     async def calls():
         argv = serve_argv(demo_db_path, None, "http://127.0.0.1:9/v1", tmp_path, "--no-grounded-answers")
