@@ -7,8 +7,6 @@ is served once at start and shared by every request; the CPU backend batches con
 Every bad request is a tool error (an isError result), never a crash.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import hmac
@@ -20,8 +18,6 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import Field
-
 from . import ask, evaluation, tools
 from .backends import ART_DIR
 from .data import DataError, EmailDB
@@ -30,12 +26,6 @@ log = logging.getLogger(__name__)
 
 MAX_QUESTION_CHARS = 2000  # a question, not a document: longer ones are refused before the model sees them
 TOKEN_ENV = "EMAIL_AGENT_MCP_TOKEN"  # --token's default: a token on a command line is visible in `ps`
-
-# The tools' shared arguments, as the client's model reads them
-InboxArg = Annotated[str | None, Field(description="the email address whose mail (sent or received) to use; may be "
-                                                   "left out when the server allows one inbox only")]
-AsOfArg = Annotated[str | None, Field(description="YYYY-MM-DD: the day it is asked; mail sent later is hidden "
-                                                  "(default: today)")]
 
 
 @dataclass
@@ -113,7 +103,14 @@ def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answer
     ask_inbox probes it again first, so a model that is down is one clear tool error per request)."""
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
+    from pydantic import Field
 
+    # The tools' shared arguments, as the client's model reads them (annotations are evaluated here, at definition:
+    # this module has no `from __future__ import annotations`, so the CLI need not import pydantic to start)
+    InboxArg = Annotated[str | None, Field(description="the email address whose mail (sent or received) to use; may "
+                                                       "be left out when the server allows one inbox only")]
+    AsOfArg = Annotated[str | None, Field(description="YYYY-MM-DD: the day it is asked; mail sent later is hidden "
+                                                      "(default: today)")]
     shape = contestant.shape
     server = MCPServer("email-search-agent", instructions=(
         "Answers questions about an email inbox. ask_inbox: a trained agent searches the inbox and answers with "
