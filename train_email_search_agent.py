@@ -122,6 +122,14 @@ def ask_command(args) -> None:
     print(json.dumps(result.to_json(), indent=2, ensure_ascii=False) if args.json else ask.answer_text(result))
 
 
+# ---- serve: the trained agent and its tools as an MCP server --------------------------------------
+
+def serve_command(args) -> None:
+    from email_agent import serve
+
+    asyncio.run(serve.serve(serve.settings_from_args(args, DEFAULT_DB)))
+
+
 # ---- train: the configuration, then the loop -----------------------------------------------------
 
 async def validate(model, policy, questions, db, rollout_config, step: int) -> str:
@@ -406,6 +414,17 @@ def make_parser() -> argparse.ArgumentParser:
                                    "priya.natarajan@larkspur.example 'Where is the Egret kickoff being held?'")
     ask.add_arguments(p, DEFAULT_DB)
     p.set_defaults(func=ask_command)
+
+    p = sub.add_parser("serve", parents=[console], help="serve a trained agent to assistants over MCP",
+                       description="An MCP server (stdio, or streamable HTTP with --http) with three tools: "
+                                   "ask_inbox (the trained agent answers, as `ask` does), search_inbox and read_email "
+                                   "(its own tools). The model is served once and shared by all requests. Example: "
+                                   "python train_email_search_agent.py serve --db data/demo.db --inbox "
+                                   "priya.natarajan@larkspur.example")
+    from email_agent import serve  # here, beside its subparser
+
+    serve.add_arguments(p, DEFAULT_DB)
+    p.set_defaults(func=serve_command)
 
     p = sub.add_parser("train", parents=[console], help="train the agent with GRPO (resumes a run of the same name)",
                        description="GRPO on the train split with rollouts from the agent environment. "

@@ -25,9 +25,13 @@ def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Que
     if not text.strip():
         raise DataError("the question is empty.")
     db.require_inbox(inbox)
-    # a malformed date (even '') is a one-sentence error; a timestamp counts as its day, as the prompt says
-    as_of = date.today().isoformat() if as_of is None else check_day("--as-of", as_of).strip()[:10]
-    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), as_of, "ask")
+    return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), query_day(as_of), "ask")
+
+
+def query_day(as_of: str | None, name: str = "--as-of") -> str:
+    """The agent's today: `as_of`, else today. A malformed date (even '') is a one-sentence error naming `name`;
+    a timestamp counts as its day, as the prompt says."""
+    return date.today().isoformat() if as_of is None else check_day(name, as_of).strip()[:10]
 
 
 def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db: str) -> tuple[str, EmailDB]:
@@ -65,6 +69,17 @@ async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Op
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
     it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
     see `rollout.withhold_ungrounded`."""
+    async with contextlib.AsyncExitStack() as stack:
+        contestant = await evaluation.open_contestant(spec, options, stack)
+        await evaluation.probe(contestant)
+        if on_start:
+            on_start(contestant.label, contestant.shape.describe())
+        return await answer_question(contestant, question, db, grounded_answers, on_call)
+
+
+async def answer_question(contestant: evaluation.Contestant, question: Question, db: EmailDB,
+                          grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
+    """One rollout of an open contestant (served once, asked many times by `serve`), in its episode shape."""
     from .rollout import RolloutConfig, rollout
 
     calls: list[dict] = []
@@ -75,13 +90,8 @@ async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Op
         if on_call:
             on_call(name, arguments, outcome)
 
-    async with contextlib.AsyncExitStack() as stack:
-        contestant = await evaluation.open_contestant(spec, options, stack)
-        await evaluation.probe(contestant)
-        if on_start:
-            on_start(contestant.label, contestant.shape.describe())
-        config = contestant.rollout_config(RolloutConfig(grounded_answers=grounded_answers))
-        traj = await rollout(contestant.policy, question, db, config, on_call=record)
+    config = contestant.rollout_config(RolloutConfig(grounded_answers=grounded_answers))
+    traj = await rollout(contestant.policy, question, db, config, on_call=record)
     if traj.metadata.get("error"):
         raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
     sources = json.loads(traj.metadata["sources"])
