@@ -8,6 +8,7 @@
     python train_email_search_agent.py train --demo             # GRPO on the demo inbox, CPU, offline
     python train_email_search_agent.py train --name qwen7b      # GRPO on Enron; GPU (ART LocalBackend) if present
     python train_email_search_agent.py ask "QUESTION" --inbox ADDRESS   # one question to the latest trained agent
+    python train_email_search_agent.py export --model demo --format gguf --output export/demo   # for llama.cpp
 
 Subcommands stay thin: each parses its flags, calls one function of the `email_agent` package and prints;
 `train` shows the whole loop: pick questions, gather groups of rollouts, train, log, validate, checkpoint.
@@ -120,6 +121,16 @@ def ask_command(args) -> None:
                                             f"{question.query_date}:", file=sys.stderr))
     result = asyncio.run(ask.ask(spec, question, db, options, grounded_answers=args.grounded_answers, **live))
     print(json.dumps(result.to_json(), indent=2, ensure_ascii=False) if args.json else ask.answer_text(result))
+
+
+# ---- export: a checkpoint in the formats other runtimes load --------------------------------------
+
+def export_command(args) -> None:
+    from email_agent.export import export
+
+    folder = export(args.model, args.format, args.output, art_dir=args.art_dir, force=args.force,
+                    base_model=args.base_model)
+    print(f"wrote {folder} (how to load and prompt it: {folder / 'README.md'})")
 
 
 # ---- train: the configuration, then the loop -----------------------------------------------------
@@ -406,6 +417,22 @@ def make_parser() -> argparse.ArgumentParser:
                                    "priya.natarajan@larkspur.example 'Where is the Egret kickoff being held?'")
     ask.add_arguments(p, DEFAULT_DB)
     p.set_defaults(func=ask_command)
+
+    p = sub.add_parser("export", parents=[console], help="write a trained checkpoint for vLLM, transformers or llama.cpp",
+                       description="Write one checkpoint of a run as a PEFT LoRA folder (lora), the base model with the "
+                                   "LoRA merged, with its tokenizer and chat template (merged), or a float32 GGUF "
+                                   "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
+                                   "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
+                                   "--format merged --output export/demo-merged")
+    p.add_argument("--model", required=True, metavar="RUN[@STEP]", help="the run and step (default: its latest)")
+    p.add_argument("--format", required=True, choices=("lora", "merged", "gguf"))
+    p.add_argument("--output", required=True, metavar="DIR", help="a new or empty folder")
+    p.add_argument("--force", action="store_true", help="write into a folder with files in it, moving them aside to "
+                                                        "DIR.old-<time> first (nothing is deleted)")
+    p.add_argument("--base-model", metavar="PATH", help="a GPU run's base model folder, when its Hugging Face id is "
+                                                        "neither cached nor downloadable here")
+    p.add_argument("--art-dir", default=runs.ART_DIR, help=f"where runs live (default {runs.ART_DIR})")
+    p.set_defaults(func=export_command)
 
     p = sub.add_parser("train", parents=[console], help="train the agent with GRPO (resumes a run of the same name)",
                        description="GRPO on the train split with rollouts from the agent environment. "
