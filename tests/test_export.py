@@ -223,6 +223,22 @@ def test_gpu_run_merges_its_lora_into_the_base_with_peft(tmp_path, monkeypatch):
 # ---- CPU runs: the three formats against the CPU engine, on real agent prompts ---------------------------
 
 @pytest.fixture(scope="module")
+def float32_one_thread():
+    """The CPU engine and transformers in float32 (the exports are float32; the engine's bfloat16, where the CPU
+    has it, is a speed choice that changes last digits) and on one thread each (on a busy 2-core machine a
+    second OpenMP thread makes a 700-token prompt's greedy decoding several times slower, not faster)."""
+    from email_agent.backends.cpu import engine
+
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
+        patch.setattr(engine, "PREFILL_THREADS", 1)
+        torch.set_num_threads(1)
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     """A CPU run whose checkpoint 3 holds a LoRA with deterministic non-zero weights, written by the CPU
     backend's own checkpoint writer."""
@@ -240,7 +256,7 @@ def cpu_run(tmp_path_factory):
     with torch.no_grad():
         for name, parameter in peft.named_parameters():
             if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
     save_checkpoint(str(run), 3, peft, new_optimizer(peft, 0.1), seed=0,
                     train_rng=torch.Generator().manual_seed(0).get_state(), sampling_rng=random.Random(0), mode="rl")
     return art_dir
@@ -281,24 +297,29 @@ async def engine_tokens(base_model: str, checkpoint, prompts, n: int) -> list[li
 
 def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n, eos_token_id=2,
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=2,
                              pad_token_id=2)
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.fixture(scope="module")
+def served(cpu_run, demo_db, float32_one_thread):
+    """(agent prompts, the first 20 greedy tokens the CPU engine serves for each from the run's checkpoint)."""
+    prompts = agent_prompts(demo_db)
+    checkpoint = cpu_run / "email-agent" / "models" / "agent" / "checkpoints" / "0003"
+    return prompts, asyncio.run(engine_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", checkpoint, prompts, 20))
+
+
 @pytest.mark.slow
-def test_merged_and_gguf_exports_give_the_cpu_engines_greedy_tokens(cpu_run, demo_db, tmp_path, monkeypatch):
-    """float32 on both sides (the exports are float32; the engine's bfloat16, where the CPU has it, is a speed
-    choice that changes last digits): the exact tokens, 20 per prompt, are compared."""
+def test_merged_and_gguf_exports_give_the_cpu_engines_greedy_tokens(cpu_run, served, tmp_path):
+    """The exact tokens, 20 per prompt, of a LoRA that changes them."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE
 
-    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
-    prompts = agent_prompts(demo_db)
-    checkpoint = cpu_run / "email-agent" / "models" / "agent" / "checkpoints" / "0003"
-    served = asyncio.run(engine_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", checkpoint, prompts, 20))
+    prompts, served = served
     untrained = asyncio.run(engine_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", None, prompts, 20))
     assert served != untrained  # the LoRA changes what the agent says, so agreement below means something
 
@@ -323,12 +344,13 @@ def test_merged_and_gguf_exports_give_the_cpu_engines_greedy_tokens(cpu_run, dem
 
 
 @pytest.mark.slow
-def test_lora_export_loads_with_peft_and_says_which_base(cpu_run, demo_db, tmp_path):
+def test_lora_export_loads_with_peft_and_says_which_base(cpu_run, served, tmp_path):
+    """peft's LoRA on the base gives the engine's tokens, which the merged export gives (above)."""
     from peft import PeftModel
 
     from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, load_base_model
-    from email_agent.backends.cpu.checkpoints import load_merged
 
+    prompts, served = served
     out = export("agent", "lora", tmp_path / "lora", art_dir=str(cpu_run))
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -338,8 +360,6 @@ def test_lora_export_loads_with_peft_and_says_which_base(cpu_run, demo_db, tmp_p
 
     base, tokenizer = load_base_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     ids = [tokenizer.apply_chat_template(m, tools=TOOLS, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False) for m in agent_prompts(demo_db)]
+                                         return_dict=False) for m in prompts]
     adapted = PeftModel.from_pretrained(base, out)
-    merged = load_merged(load_base_model("HuggingFaceTB/SmolLM2-135M-Instruct")[0],
-                         str(cpu_run / "email-agent" / "models" / "agent" / "checkpoints" / "0003"))
-    assert [greedy(adapted, i, 20) for i in ids] == [greedy(merged, i, 20) for i in ids]
+    assert [greedy(adapted, i, 20) for i in ids] == served
