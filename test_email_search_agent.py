@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -201,33 +200,17 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cli.console(args.quiet, args.verbose)
-    cli.stop_on_sigterm()
-    try:
-        cli.check_text_arguments(argv if argv is not None else sys.argv[1:])
+
+    def command() -> int:
         evaluation.check_flags(args)
         if not args.model and not args.rejudge:
             args.model = [str(runs.latest_run(args.art_dir).path)]
         # the database the trained runs among the models were trained on, as `ask` does
         args.db = args.db or (DEMO_DB if args.demo else runs.trained_db(args.model, args.art_dir) or DEFAULT_DB)
         return asyncio.run(evaluate(args))
-    except DataError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
-        return 1
-    except sqlite3.DatabaseError as exc:  # damaged after it was opened (a disk error, a half-copied file)
-        print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
-              file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # before the rollouts began (serving, probing) or during --rejudge
-        print("\ninterrupted: nothing written", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # output piped into `head` and the like
-        sys.stderr.close()
-        return 0
-    except Exception as exc:  # a full or read-only disk under the report
-        if (problem := runs.storage_problem(exc)) is None:
-            raise
-        print(f"Error: {problem}", file=sys.stderr)
-        return 1
+
+    # interrupted before the rollouts began (serving, probing) or during --rejudge: evaluate() handles the rest
+    return cli.run_command(command, argv, interrupted="\ninterrupted: nothing written")
 
 
 if __name__ == "__main__":

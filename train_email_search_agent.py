@@ -8,6 +8,8 @@
     python train_email_search_agent.py train --demo             # GRPO on the demo inbox, CPU, offline
     python train_email_search_agent.py train --name qwen7b      # GRPO on Enron; GPU (ART LocalBackend) if present
     python train_email_search_agent.py ask "QUESTION" --inbox ADDRESS   # one question to the latest trained agent
+    python train_email_search_agent.py serve --inbox ADDRESS     # the agent as an MCP server for assistants
+    python train_email_search_agent.py export --model demo --format gguf --output export/demo   # for llama.cpp
 
 Subcommands stay thin: each parses its flags, calls one function of the `email_agent` package and prints;
 `train` shows the whole loop: pick questions, gather groups of rollouts, train, log, validate, checkpoint.
@@ -20,14 +22,13 @@ import asyncio
 import json
 import os
 import shutil
-import sqlite3
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
-from email_agent import ask, cli, config, generate, runs
+from email_agent import ask, build, cli, config, generate, runs
 from email_agent.config import (DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir,
                                 saved_config)
 from email_agent.data import DataError, EmailDB, check_day, visible_until
@@ -37,8 +38,6 @@ from email_agent.episode import EpisodeShape
 # ---- build-db ------------------------------------------------------------------------------------
 
 def build_db(args) -> None:
-    from email_agent import build
-
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     if args.demo and (args.emails or args.questions):
         raise DataError("--demo builds the bundled demo inbox; it takes no --emails or --questions")
@@ -88,18 +87,8 @@ def read(args) -> None:
     db = EmailDB(args.db)
     if args.inbox is not None:
         db.require_inbox(args.inbox)
-    email = db.read(args.message_id, inbox=args.inbox, visible_until=visible_until(args.as_of))
-    if email is None:
-        if db.read(args.message_id) is None:
-            hint = "" if args.message_id.startswith("<") else f" (ids are written with angle brackets: '<{args.message_id}>')"
-            raise DataError(f"No email with message_id {args.message_id!r}{hint}.")
-        hidden = [f"--inbox {args.inbox}" if args.inbox else "", f"--as-of {args.as_of}" if args.as_of else ""]
-        raise DataError(f"Email {args.message_id!r} exists, but {' '.join(filter(None, hidden))} hides it (not that "
-                        "inbox's, or sent after that day).")
-    if args.json:
-        print(json.dumps(asdict(email), indent=2, ensure_ascii=False))
-        return
-    print(email.as_text())
+    email = db.read_or_explain(args.message_id, inbox=args.inbox, as_of=args.as_of)
+    print(json.dumps(asdict(email), indent=2, ensure_ascii=False) if args.json else email.as_text())
 
 
 # ---- ask: one question to a trained agent, each tool call shown as it happens --------------------
@@ -128,6 +117,16 @@ def serve_command(args) -> None:
     from email_agent import serve
 
     asyncio.run(serve.serve(serve.settings_from_args(args, DEFAULT_DB)))
+
+
+# ---- export: a checkpoint in the formats other runtimes load --------------------------------------
+
+def export_command(args) -> None:
+    from email_agent.export import export
+
+    folder = export(args.model, args.format, args.output, art_dir=args.art_dir, force=args.force,
+                    base_model=args.base_model)
+    print(f"wrote {folder} (how to load and prompt it: {folder / 'README.md'})")
 
 
 # ---- train: the configuration, then the loop -----------------------------------------------------
@@ -284,10 +283,8 @@ async def train(cfg: TrainConfig) -> None:
         if backend_name == "cpu" and rollouts > 16:  # GPU-scale steps on a CPU: say what one will cost
             started = time.perf_counter()
             await rollout(policy, rl_questions[0], db, rollout_config)
-            one, at_once = time.perf_counter() - started, min(cfg.concurrency, backend.max_batch_size)
-            print(f"note: one rollout took {one:.0f}s here, so a step of {rollouts} rollouts ({at_once} at a time) "
-                  f"takes about {one * rollouts / at_once / 60:.0f} min before its update; the CPU preset's 8 take "
-                  f"about {one * 8 / min(at_once, 8) / 60:.1f} min", file=sys.stderr, flush=True)
+            print(preflight.cpu_step_note(time.perf_counter() - started, rollouts,
+                                          min(cfg.concurrency, backend.max_batch_size)), file=sys.stderr, flush=True)
         idle_steps = 0  # steps in a row that trained on nothing
         trainable_shares, warned_low_variance = [], False
         for batch in batches:
@@ -357,15 +354,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-db", parents=[console], help="build the search database and question sets",
                        description="Build the SQLite/FTS5 email database (and its questions) atomically. "
                                    "Example: python train_email_search_agent.py build-db --demo")
-    p.add_argument("--demo", action="store_true", help="the bundled, offline demo inbox (db: data/demo.db)")
-    p.add_argument("--emails", metavar="PATH", help="local corpus: .jsonl(.gz), .parquet, a maildir folder or an mbox file "
-                                                   "(default: Hugging Face corbt/enron-emails)")
-    p.add_argument("--questions", metavar="PATH", help="local questions: .jsonl(.gz) or .parquet with the ART·E schema "
-                                                      "(default: Hugging Face corbt/enron_emails_sample_questions)")
-    p.add_argument("--db", metavar="PATH", help=f"output database (default {DEFAULT_DB}; with --demo {DEMO_DB})")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --db even though its questions are lost (this build brings none), or "
-                        "though another program wrote it")
+    build.add_arguments(p, DEFAULT_DB, DEMO_DB)
     p.set_defaults(func=build_db)
 
     p = sub.add_parser("generate-questions", parents=[console], help="write a question set for an inbox with an LLM",
@@ -426,6 +415,17 @@ def make_parser() -> argparse.ArgumentParser:
     serve.add_arguments(p, DEFAULT_DB)
     p.set_defaults(func=serve_command)
 
+    p = sub.add_parser("export", parents=[console], help="write a trained checkpoint for vLLM, transformers or llama.cpp",
+                       description="Write one checkpoint of a run as a PEFT LoRA folder (lora), the base model with the "
+                                   "LoRA merged, with its tokenizer and chat template (merged), or a float32 GGUF "
+                                   "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
+                                   "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
+                                   "--format merged --output export/demo-merged")
+    from email_agent import export  # here, beside its subparser
+
+    export.add_arguments(p)
+    p.set_defaults(func=export_command)
+
     p = sub.add_parser("train", parents=[console], help="train the agent with GRPO (resumes a run of the same name)",
                        description="GRPO on the train split with rollouts from the agent environment. "
                                    "Example: python train_email_search_agent.py train --demo")
@@ -437,32 +437,10 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cli.console(args.quiet, args.verbose)
-    cli.stop_on_sigterm()
-    try:
-        cli.check_text_arguments(argv if argv is not None else sys.argv[1:])
-        args.func(args)
-    except DataError as exc:
-        print(f"Error: {exc}", file=sys.stderr)
-        return 1
-    except sqlite3.DatabaseError as exc:  # damaged after it was opened (a disk error, a half-copied file)
-        print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
-              file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        resume = {"train": "; re-run the same command to resume from the last checkpoint",
-                  "generate-questions": "; nothing was stored: re-run to go on (answered batches are cached)"}
-        print("interrupted" + resume.get(args.command, ""), file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # output piped into `head` and the like
-        sys.stderr.close()
-        return 0
-    except Exception as exc:  # a full or read-only disk under a checkpoint, the history or the database
-        problem = runs.storage_problem(exc, run_dir(config_from_args(args)) if args.command == "train" else None)
-        if problem is None:
-            raise
-        print(f"Error: {problem}", file=sys.stderr)
-        return 1
-    return 0
+    resume = {"train": "; re-run the same command to resume from the last checkpoint",
+              "generate-questions": "; nothing was stored: re-run to go on (answered batches are cached)"}
+    return cli.run_command(lambda: args.func(args), argv, interrupted="interrupted" + resume.get(args.command, ""),
+                           run_folder=lambda: run_dir(config_from_args(args)) if args.command == "train" else None)
 
 
 if __name__ == "__main__":

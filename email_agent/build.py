@@ -263,3 +263,16 @@ def _fill(conn, emails, questions, summary, source, total, progress):
     conn.execute("ANALYZE")
 
 
+
+
+def add_arguments(p, default_db: str, demo_db: str) -> None:
+    """The build-db subcommand's flags."""
+    p.add_argument("--demo", action="store_true", help="the bundled, offline demo inbox (db: data/demo.db)")
+    p.add_argument("--emails", metavar="PATH", help="local corpus: .jsonl(.gz), .parquet, a maildir folder or an mbox file "
+                                                   "(default: Hugging Face corbt/enron-emails)")
+    p.add_argument("--questions", metavar="PATH", help="local questions: .jsonl(.gz) or .parquet with the ART·E schema "
+                                                      "(default: Hugging Face corbt/enron_emails_sample_questions)")
+    p.add_argument("--db", metavar="PATH", help=f"output database (default {default_db}; with --demo {demo_db})")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --db even though its questions are lost (this build brings none), or "
+                        "though another program wrote it")

@@ -169,3 +169,35 @@ def console_flags():
 def say(line: str) -> None:
     """A line of a long command's progress on stdout, flushed at once (a pipe or a log file would hold it back)."""
     print(line, flush=True)
+
+
+def run_command(command, argv: list[str] | None, *, interrupted: str = "interrupted",
+                run_folder=lambda: None) -> int:
+    """Run a subcommand as every command of both scripts ends: a one-sentence error and exit code 1 for a bad
+    input, a damaged database or a full or read-only disk (`run_folder()`: the run being written, if any); 130
+    after Ctrl-C or SIGTERM with `interrupted` said; anything else is a bug and raises."""
+    import sqlite3
+
+    from .data import DataError
+    from .runs import storage_problem
+
+    stop_on_sigterm()
+    try:
+        check_text_arguments(argv if argv is not None else sys.argv[1:])
+        return command() or 0
+    except DataError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+    except sqlite3.DatabaseError as exc:  # damaged after it was opened (a disk error, a half-copied file)
+        print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
+              file=sys.stderr)
+    except KeyboardInterrupt:
+        print(interrupted, file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
+    except Exception as exc:
+        if (problem := storage_problem(exc, run_folder())) is None:
+            raise
+        print(f"Error: {problem}", file=sys.stderr)
+    return 1

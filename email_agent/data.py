@@ -559,6 +559,18 @@ class EmailDB:
             LIMIT ?"""
         return [SearchResult(*row) for row in self.conn.execute(sql, params)]
 
+    def read_or_explain(self, message_id: str, *, inbox: str | None = None, as_of: str | None = None) -> Email:
+        """`read` for a person: a DataError saying why there is no such email, or what hides it."""
+        email = self.read(message_id, inbox=inbox, visible_until=visible_until(as_of))
+        if email is not None:
+            return email
+        if self.read(message_id) is None:
+            hint = "" if message_id.startswith("<") else f" (ids are written with angle brackets: '<{message_id}>')"
+            raise DataError(f"No email with message_id {message_id!r}{hint}.")
+        hidden = [f"--inbox {inbox}" if inbox else "", f"--as-of {as_of}" if as_of else ""]
+        raise DataError(f"Email {message_id!r} exists, but {' '.join(filter(None, hidden))} hides it (not that "
+                        "inbox's, or sent after that day).")
+
     def read(self, message_id: str, *, inbox: str | None = None, visible_until: str | None = None) -> Email | None:
         """One email by message_id; None if absent, outside `inbox`, or dated at/after `visible_until`."""
         sql = "SELECT id, message_id, date, subject, from_address, body, file_name FROM emails e WHERE message_id = ?"
