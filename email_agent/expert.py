@@ -21,7 +21,7 @@ from datetime import date, timedelta
 import art
 from openai.types.chat import ChatCompletion
 
-from .data import EmailDB, day_after
+from .data import MAX_SEARCH_RESULTS, EmailDB, day_after
 from .questions import Question
 from .rewards import normalize_answer
 from .rollout import RolloutConfig, rollout
@@ -58,11 +58,22 @@ def question_keywords(text: str, limit: int = FIRST_KEYWORDS) -> list[str]:
     return list(dict.fromkeys(ordered))[:limit]
 
 
+def rare_keywords(question: str, inbox: str, today: str, db: EmailDB, limit: int = 3) -> list[str]:
+    """The question's words that pick out fewest of the inbox's emails (that it holds at all), rarest first: what a
+    searcher who knows the inbox would type."""
+    counts = {}
+    for word in question_keywords(question, limit=99):
+        hits = len(db.search(inbox, [word], visible_until=day_after(today), max_results=MAX_SEARCH_RESULTS))
+        if hits:
+            counts[word] = hits
+    return sorted(counts, key=counts.get)[:limit]
+
+
 def answer_words(text: str) -> list[str]:
     """The words that carry an answer: normalised (see `rewards.normalize_answer`), numbers split from their
-    units ("$150mm" -> 150 mm), without the common words."""
+    units ("$150mm" -> 150 mm), without the common words and initials."""
     spaced = re.sub(r"(?<=\d)(?=[a-z])|(?<=[a-z])(?=\d)", " ", normalize_answer(text))
-    return [w for w in spaced.split() if w not in STOPWORDS]
+    return [w for w in spaced.split() if w not in STOPWORDS and (len(w) > 1 or w.isdigit())]  # not initials
 
 
 def holds_answer(text: str, answer: str) -> bool:
@@ -154,30 +165,35 @@ class ExpertPolicy:
 
     model = "expert"
 
-    def __init__(self, questions: list[Question], db: EmailDB, max_turns: int | None = None):
+    def __init__(self, questions: list[Question], db: EmailDB, max_turns: int | None = None, rarest_first: bool = True):
         # By the question's words alone, as the demo's expert always did: where two inboxes ask the same words,
         # the later question's answer is looked for in both (3 of the demo's 202 warm-start questions; keying by
         # inbox too would solve them, and change the demo's warm start).
         self.answers = {q.question: q.answer for q in questions}
         self.db = db
         self.max_turns = max_turns
+        self.rarest_first = rarest_first
 
     async def complete(self, messages: list[dict]) -> tuple[ChatCompletion, float]:
         return self._reply(messages), 0.0  # no model: no time spent
 
     def search_plan(self, question: str, inbox: str, today: str) -> list[dict]:
-        """The searches to try, in order: the question's words, fewer and fewer; first from the sender it
-        names (if any), all within the time it names (if any)."""
+        """The searches to try, in order: two of the question's words (its rarest in the inbox, or its names
+        first with `rarest_first` off), then one; then the same in the other order; all from the sender the
+        question names first (if any), all within the time it names (if any)."""
         window = sent_window(question, today)
+        rare, named = rare_keywords(question, inbox, today, self.db), question_keywords(question, limit=99)
+        first, then = (rare, named) if self.rarest_first else (named, rare)
         plan = []
         sender = sender_address(question, inbox, today, self.db)
         if sender is not None:
             address, name = sender
-            topic = [w for w in question_keywords(question, limit=99) if w.lower() not in name][:FIRST_KEYWORDS]
-            plan += [{"keywords": topic[:n], "from_address": address, **window} for n in range(len(topic), 0, -1)]
-        keywords = question_keywords(question)
-        plan += [{"keywords": keywords[:n], **window} for n in range(len(keywords), 0, -1)]
-        return plan
+            topic = [w for w in first if w.lower() not in name][:FIRST_KEYWORDS]
+            plan += [{"keywords": topic[:n], "from_address": address} for n in range(len(topic), 0, -1)]
+        for words in (first, then):
+            plan += [{"keywords": words[:n]} for n in range(min(len(words), FIRST_KEYWORDS), 0, -1)]
+        plan = [{**search, **window} for search in plan]
+        return [search for i, search in enumerate(plan) if search not in plan[:i]]
 
     def _reply(self, messages: list[dict]) -> ChatCompletion:
         system = messages[0]["content"]
@@ -192,7 +208,7 @@ class ExpertPolicy:
         replies = [m["content"] for m in messages if m["role"] == "tool"]
         if replies and replies[-1].startswith("{"):  # an email was just read
             email = json.loads(replies[-1])
-            if holds_answer(email["body"], answer):
+            if holds_answer(f"{email['subject']}\n{email['body']}", answer):
                 return self._call("return_final_answer", {"answer": answer, "sources": [email["message_id"]]})
         if last_turn:
             return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
@@ -220,7 +236,8 @@ class ExpertPolicy:
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
 
 
-async def expert_episodes(db: EmailDB, questions: list[Question], config: RolloutConfig) -> list[art.Trajectory]:
+async def expert_episodes(db: EmailDB, questions: list[Question], config: RolloutConfig,
+                          rarest_first: bool = True) -> list[art.Trajectory]:
     """The expert's episode on each question, in order."""
-    policy = ExpertPolicy(questions, db, max_turns=config.max_turns)
+    policy = ExpertPolicy(questions, db, max_turns=config.max_turns, rarest_first=rarest_first)
     return [await rollout(policy, q, db, config) for q in questions]

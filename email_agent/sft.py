@@ -8,7 +8,8 @@ advantage to learn from. Supervised fine-tuning on good episodes first fixes tha
                 the search really failed: the expert's own failures, and questions replayed the day
                 before their gold email was sent, so the inbox cannot hold the answer). Any question set
                 whose questions cite their emails: the demo's, ART·E's, generate-questions', your own.
-                `demo-expert` is its older name.
+  demo-expert   the same expert searching the question's names first (the demo preset's warm start,
+                unchanged since it knew only the demo inbox); `expert` searches its rarest words first
   <folder>      an evaluation folder from test_email_search_agent.py (e.g. a prompted o4-mini on the
                 train split): its judged-correct, correctly-cited episodes
 
@@ -25,6 +26,7 @@ from typing import Callable
 
 import art
 
+from .config import EXPERT_NAMES
 from .data import DataError, EmailDB
 from .expert import Ceiling, ExpertPolicy
 from .questions import Question, withheld
@@ -47,7 +49,8 @@ def abstained(traj: art.Trajectory) -> bool:
 
 
 async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,
-                              abstain_share: float = 0.25, seed: int = 0) -> list[art.Trajectory]:
+                              abstain_share: float = 0.25, seed: int = 0, rarest_first: bool = True
+                              ) -> list[art.Trajectory]:
     """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
 
     Successful episodes, plus abstentions making up about `abstain_share` of the result: the expert's own
@@ -55,7 +58,7 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ro
     An agent that only ever saw answers learns to invent one when the search fails.
     """
     questions = [q for q in questions if q.split != "test"]
-    policy = ExpertPolicy(questions, db, max_turns=config.max_turns)
+    policy = ExpertPolicy(questions, db, max_turns=config.max_turns, rarest_first=rarest_first)
     trajs = [await rollout(policy, q, db, config) for q in questions]
     logger.info("expert on the %d train questions, in %d turns: %s", len(questions), config.max_turns,
                 Ceiling.of(trajs).describe())
@@ -75,9 +78,6 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ro
     mixed = solved + abstentions[:wanted]
     random.Random(seed).shuffle(mixed)
     return mixed
-
-
-EXPERT_NAMES = ("expert", "demo-expert")  # demo-expert: its name when it knew only the demo inbox
 
 
 SHAPE_KEYS = ("max_turns", "max_body_chars", "search_results")  # what changes the prompt and the tool replies
@@ -147,8 +147,8 @@ def sft_source(source: str, db: EmailDB, questions: list[Question], config: Roll
                held_out: list[Question] = ()):
     """`--sft-from` -> an awaitable of trajectories: the expert plays `questions`; a teacher's episodes are
     whatever it played, less the `held_out` questions."""
-    if source in EXPERT_NAMES:
-        return expert_trajectories(db, questions, config)
+    if source in EXPERT_NAMES:  # demo-expert searches the question's names first, as the demo's warm start always has
+        return expert_trajectories(db, questions, config, rarest_first=source == "expert")
     if Path(source).expanduser().is_dir():
         async def load():
             return teacher_trajectories(Path(source).expanduser(), db, config, held_out)
