@@ -41,9 +41,12 @@ SENDER_VERBS = ("say|said|send|sent|ask|asked|tell|told|write|wrote|email|emaile
                 "recommended|report|reported|share|shared|announce|announced|confirm|confirmed|need|needed|invite|"
                 "invited|note|noted|offer|offered|provide|provided|update|updated")
 NAME = r"((?:[A-Z][a-z]+)(?: [A-Z][a-z]+)?)"
-SENDER_PATTERNS = [re.compile(rf"\b(?:did|from|has|had|does|will) {NAME}\b"),
+SENDER_PATTERNS = [re.compile(rf"\b(?:did|from|has|had|does|will|per|according to) {NAME}\b"),
                    re.compile(rf"\b{NAME}(?:'s)? (?:{SENDER_VERBS})\b"),
                    re.compile(rf"\b{NAME}'s (?:email|message|note|memo|request|question|reply|update)\b")]
+# How a question is put, rarely what its email says: not searched for as its rarest words
+FRAMING = set("according per former three two four five first last lose lost begin start".split()
+              + SENDER_VERBS.split("|"))
 MONTHS = {name: i + 1 for i, name in enumerate("january february march april may june july august september "
                                                "october november december".split())}
 
@@ -63,6 +66,8 @@ def rare_keywords(question: str, inbox: str, today: str, db: EmailDB, limit: int
     searcher who knows the inbox would type."""
     counts = {}
     for word in question_keywords(question, limit=99):
+        if word.lower() in FRAMING:
+            continue
         hits = len(db.search(inbox, [word], visible_until=day_after(today), max_results=MAX_SEARCH_RESULTS))
         if hits:
             counts[word] = hits
