@@ -3,9 +3,10 @@
 ceiling of an episode shape: what a good agent could do in that many turns, results and characters.
 
 It sees what a good agent sees (the question, the tool results, and which correspondents the inbox has mail
-from) and uses the gold answer only to recognise the email that holds it and to phrase its final answer. It
-searches with the question's distinctive words (with `from_address` when the question names a sender the inbox
-has mail from, and a date window when it says when the mail came), backing off to fewer words; reads the
+from, and how many of its emails each word of the question matches) and uses the gold answer only to recognise
+the email that holds it and to phrase its final answer. It searches with two of the question's words, its rarest
+in the inbox (`demo-expert`: its names first), with `from_address` when the question names a sender the inbox
+has mail from and a date window when it says when the mail came, backing off to fewer words; reads the
 results best first; answers from the first email that holds the answer (by its words, not verbatim: real
 answers are paraphrases of quoted, signed, reformatted mail); and says "I don't know" when its searches run
 out, and at the latest on its last turn, so an episode it cannot solve ends in an abstention.
