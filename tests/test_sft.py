@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from email_agent import questions as qmod
-from email_agent.config import DEMO_PRESET, TrainConfig
+from email_agent.config import DEMO_PRESET, TrainConfig, check
 from email_agent.data import DataError
 from email_agent.expert import question_keywords
 from email_agent.rollout import RolloutConfig, assistant_message
@@ -145,6 +145,10 @@ def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, c
 def test_bad_sources_are_clear_errors(demo_db, tmp_path):
     with pytest.raises(DataError, match="expected 'expert'"):
         sft_source("no-such-thing", demo_db, [], RolloutConfig())
+    for name in ("expert", "demo-expert"):  # the expert's names pass the checks made before anything loads
+        check(TrainConfig(sft_from=name, sft_only=True))
+    with pytest.raises(DataError, match="expected 'expert' or an evaluation folder"):
+        check(TrainConfig(sft_from="experts", sft_only=True))
     with pytest.raises(DataError, match="results.jsonl"):
         asyncio.run(sft_source(str(tmp_path), demo_db, [], RolloutConfig()))
 
