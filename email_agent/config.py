@@ -15,6 +15,8 @@ from .backends import ART_DIR, PROJECT, run_path
 from .data import DataError
 from .episode import EpisodeShape
 
+EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
+
 DEFAULT_DB = "data/enron_emails.db"
 DEMO_DB = "data/demo.db"
 
@@ -62,7 +64,7 @@ class TrainConfig:
     judge_patience: float = 600.0  # seconds a step waits for a failing judge (5xx, 429, timeouts) before the run stops
     min_reward_std: float = 0.01  # a group whose rewards spread less (std) is judge noise: not trained on
     # warm start (supervised, before RL)
-    sft_from: str = ""  # demo-expert, or an evaluation folder of a teacher model (its judged-correct episodes)
+    sft_from: str = ""  # expert (a scripted expert on the train questions), or a teacher's evaluation folder
     sft_only: bool = False  # stop after the warm start
     sft_limit: int = 0  # use at most N warm-start trajectories (0: all)
     sft_epochs: int = 1  # passes over the warm-start trajectories (one checkpoint each)
@@ -179,9 +181,9 @@ def check(cfg: TrainConfig) -> None:
             raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
     if cfg.sft_only and not cfg.sft_from:
         raise DataError("--sft-only stops after the warm start, and --sft-from names none; give --sft-from "
-                        "demo-expert or an evaluation folder")
-    if cfg.sft_from not in ("", "demo-expert") and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
-        raise DataError(f"--sft-from {cfg.sft_from}: expected 'demo-expert' or an evaluation folder with results.jsonl "
+                        "expert or an evaluation folder")
+    if cfg.sft_from not in ("", *EXPERT_NAMES) and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
+        raise DataError(f"--sft-from {cfg.sft_from}: expected 'expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")
 
 

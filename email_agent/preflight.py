@@ -198,8 +198,8 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
         warm = ("warm-start longer (more --sft-epochs or --sft-limit) or from a stronger teacher's evaluation "
                 "(--sft-from DIR)")
     else:
-        warm = ("warm-start it first: --sft-from demo-expert on the demo inbox, or --sft-from EVAL_DIR with a "
-                "teacher model's evaluation")
+        warm = ("warm-start it first: --sft-from expert (a scripted expert plays the train questions), or "
+                "--sft-from EVAL_DIR with a teacher model's evaluation")
     judge_flags = "--ruler-model" if reward_mode == "ruler" else "--judge-model"
     if not h.rollouts:
         return Verdict(False, "cannot learn: every rollout failed; check that the policy's server is up and the "

@@ -173,12 +173,26 @@ def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
             core = core[:-1]
     forms = [want] + ([" ".join(core)] if core and len(core) < len(words) else [])
     found = next((form for form in forms if f" {form} " in f" {got} "), None)
-    if found is None:
+    if found is None and not same_words(got, want):
         return Verdict(False, "offline", "gold answer not in the answer")
-    if len(got) > max(3 * len(found), len(found) + 60):
+    if len(got) > max(3 * len(found or want), len(found or want) + 60):
         return Verdict(False, "offline", "gold answer buried in an over-long answer")
+    if found is None:
+        return Verdict(True, "offline", "every word of the gold answer in the answer, in another order or with "
+                                        "words between them")
     return Verdict(True, "offline", "gold answer found in the answer" if found == want
                    else f"gold answer found in the answer, less the question's own words ({found!r})")
+
+
+def same_words(got: str, want: str) -> bool:
+    """Real answers reword: "Brad Holmes and Everett Plante" for "Everett Plante and Brad Holmes", "December 20,
+    2001 at 11:00 a.m." for "December 20, 2001, 11:00 a.m.". Every word of a gold answer of two words or more
+    in the (normalised) answer, and no number the gold answer lacks ("Boardroom 3 or 7" does not answer
+    "Boardroom 7")."""
+    wanted, given = want.split(), got.split()
+    numbers = {w for w in wanted if any(c.isdigit() for c in w)}
+    return len(wanted) >= 2 and set(wanted) <= set(given) and \
+        all(w in numbers for w in given if any(c.isdigit() for c in w))
 
 
 JUDGE_PROMPT = """You grade answers to questions about a person's email inbox.

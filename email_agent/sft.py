@@ -3,10 +3,13 @@
 A small model that never emits a valid tool call gives every rollout the same reward, so GRPO has no
 advantage to learn from. Supervised fine-tuning on good episodes first fixes that. Sources:
 
-  demo-expert   a scripted expert plays the demo inbox's train questions through the real rollout code:
+  expert        the scripted expert (`expert`) plays the train questions through the real rollout code:
                 its successful episodes, plus abstentions (episodes that end in "I don't know" because
                 the search really failed: the expert's own failures, and questions replayed the day
-                before their gold email was sent, so the inbox cannot hold the answer)
+                before their gold email was sent, so the inbox cannot hold the answer). Any question set
+                whose questions cite their emails: the demo's, ART·E's, generate-questions', your own.
+  demo-expert   the same expert searching the question's names first (the demo preset's warm start,
+                unchanged since it knew only the demo inbox); `expert` searches its rarest words first
   <folder>      an evaluation folder from test_email_search_agent.py (e.g. a prompted o4-mini on the
                 train split): its judged-correct, correctly-cited episodes
 
@@ -15,7 +18,6 @@ Test-split questions are never used, whatever the source says.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
@@ -23,88 +25,16 @@ from pathlib import Path
 from typing import Callable
 
 import art
-from openai.types.chat import ChatCompletion
 
+from .config import EXPERT_NAMES
 from .data import DataError, EmailDB
+from .expert import Ceiling, ExpertPolicy
 from .questions import Question, withheld
 from .rollout import RolloutConfig, rollout
 from .summary import read_results
 from .tools import TOOLS
 
 logger = logging.getLogger(__name__)
-
-STOPWORDS = set("""a about after all am an and any are as at be been before being but by can could did do does
-for from had has have how i if in into is it its me my of on or our should so than that the their them then
-there these they this to up was we were what when where which who whom why will with would you your
-time date day price cost much many number name get got set""".split())  # question words emails rarely contain
-
-
-def question_keywords(text: str, limit: int = 2) -> list[str]:
-    """Distinctive words of a question: capitalised names and codes first, then other content words."""
-    words = [w.strip("?.,!:;'\"()") for w in text.split()]
-    words = [w[:-2] if w.endswith("'s") else w for w in words]
-    content = [w for w in words if len(w) > 2 and w.lower() not in STOPWORDS]
-    named = [w for w in content[1:] if w[:1].isupper() or any(c.isdigit() for c in w)]
-    ordered = named + [w for w in content if w not in named]
-    return list(dict.fromkeys(ordered))[:limit]
-
-
-class ExpertPolicy:
-    """A scripted agent for the demo inbox, played through `rollout` like any model.
-
-    It sees what a good agent sees (the question and the tool results) and knows the gold answer only to
-    recognise the email that holds it and to phrase the final answer: search with the question's
-    distinctive words (fewer if nothing matches), read results best-first, answer from the first email
-    that holds the answer, else say "I don't know" -- at the latest on its last turn, so an episode it
-    cannot solve ends in an abstention rather than running out of turns.
-    """
-
-    model = "demo-expert"
-
-    def __init__(self, questions: list[Question], max_turns: int | None = None):
-        self.answers = {q.question: q.answer for q in questions}
-        self.max_turns = max_turns
-
-    async def complete(self, messages: list[dict]) -> tuple[ChatCompletion, float]:
-        return self._reply(messages), 0.0  # no model: no time spent
-
-    def _reply(self, messages: list[dict]) -> ChatCompletion:
-        question = next(m["content"] for m in messages if m["role"] == "user")
-        answer = self.answers[question]
-        last_turn = self.max_turns is not None and sum(m["role"] == "assistant" for m in messages) >= self.max_turns - 1
-        keywords = question_keywords(question)
-        searches = [json.loads(c["function"]["arguments"]) for m in messages if m["role"] == "assistant"
-                    for c in m.get("tool_calls") or [] if c["function"]["name"] == "search_inbox"]
-        tool_results = [m["content"] for m in messages if m["role"] == "tool"]
-        last = tool_results[-1] if tool_results else None
-        if last is not None and last.startswith("{"):  # an email was just read
-            email = json.loads(last)
-            if answer in email["body"]:
-                return self._call("return_final_answer", {"answer": answer, "sources": [email["message_id"]]})
-        if last_turn:
-            return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
-        results = next((json.loads(r) for r in reversed(tool_results) if r.startswith("[")), None)
-        if results is None:
-            if searches and len(searches[-1]["keywords"]) == 1:
-                return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
-            size = len(searches[-1]["keywords"]) - 1 if searches else len(keywords)
-            return self._call("search_inbox", {"keywords": keywords[:size]})
-        read = {json.loads(r)["message_id"] for r in tool_results if r.startswith("{")}
-        unread = [r["message_id"] for r in results[:5] if r["message_id"] not in read]
-        if unread:
-            return self._call("read_email", {"message_id": unread[0]})
-        return self._call("return_final_answer", {"answer": "I don't know", "sources": []})
-
-    @staticmethod
-    def _call(name: str, arguments: dict) -> ChatCompletion:
-        return ChatCompletion.model_validate({
-            "id": "expert", "object": "chat.completion", "created": 0, "model": "demo-expert",
-            "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "message": {
-                "role": "assistant", "content": None,
-                "tool_calls": [{"id": f"call_{name}", "type": "function",
-                                "function": {"name": name, "arguments": json.dumps(arguments)}}]}}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
-
 
 def successful(traj: art.Trajectory) -> bool:
     m = traj.metrics
@@ -119,7 +49,8 @@ def abstained(traj: art.Trajectory) -> bool:
 
 
 async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,
-                              abstain_share: float = 0.25, seed: int = 0) -> list[art.Trajectory]:
+                              abstain_share: float = 0.25, seed: int = 0, rarest_first: bool = True
+                              ) -> list[art.Trajectory]:
     """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
 
     Successful episodes, plus abstentions making up about `abstain_share` of the result: the expert's own
@@ -127,8 +58,10 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ro
     An agent that only ever saw answers learns to invent one when the search fails.
     """
     questions = [q for q in questions if q.split != "test"]
-    policy = ExpertPolicy(questions, max_turns=config.max_turns)
+    policy = ExpertPolicy(questions, db, max_turns=config.max_turns, rarest_first=rarest_first)
     trajs = [await rollout(policy, q, db, config) for q in questions]
+    logger.info("expert on the %d train questions, in %d turns: %s", len(questions), config.max_turns,
+                Ceiling.of(trajs).describe())
     solved = [t for t in trajs if successful(t)]
     abstentions = [t for t in trajs if abstained(t)]
     wanted = round(abstain_share / (1 - abstain_share) * len(solved))  # abstentions / (solved + abstentions) = share
@@ -212,19 +145,19 @@ def strip_to_chat(message: dict) -> dict:
 
 def sft_source(source: str, db: EmailDB, questions: list[Question], config: RolloutConfig,
                held_out: list[Question] = ()):
-    """`--sft-from` -> an awaitable of trajectories: the demo expert plays `questions`; a teacher's episodes
-    are whatever it played, less the `held_out` questions."""
-    if source == "demo-expert":
-        return expert_trajectories(db, questions, config)
+    """`--sft-from` -> an awaitable of trajectories: the expert plays `questions`; a teacher's episodes are
+    whatever it played, less the `held_out` questions."""
+    if source in EXPERT_NAMES:  # demo-expert searches the question's names first, as the demo's warm start always has
+        return expert_trajectories(db, questions, config, rarest_first=source == "expert")
     if Path(source).expanduser().is_dir():
         async def load():
             return teacher_trajectories(Path(source).expanduser(), db, config, held_out)
         return load()
-    raise DataError(f"--sft-from {source!r}: expected 'demo-expert' or an evaluation folder with results.jsonl")
+    raise DataError(f"--sft-from {source!r}: expected 'expert' or an evaluation folder with results.jsonl")
 
 
 async def warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config) -> list:
-    """The trajectories the warm start imitates: the demo expert's on the train questions, or a teacher's
+    """The trajectories the warm start imitates: the expert's on the train questions, or a teacher's
     judged-correct ones (none of the validation questions: the curve would score what it imitated)."""
     trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config, held_out=val_questions)
     if cfg.sft_limit:

@@ -2,18 +2,21 @@
 generate-questions (a scripted LLM writes the questions) -> evaluate (a scripted agent) -> a tiny CPU train,
 and the CPU recipe: a teacher evaluated on the train split, then a warm start distilled from its episodes."""
 
+import gzip
 import json
 import mailbox
 import re
 import subprocess
 import sys
-from email.message import EmailMessage
+from datetime import datetime, timezone
+from email.message import EmailMessage, Message
+from email.utils import format_datetime
 
 import pytest
 
-from conftest import ROOT
+from conftest import ENRON_EMAILS, ROOT
 from email_agent import questions as qmod
-from email_agent.data import EmailDB
+from email_agent.data import EmailDB, parse_date
 from scripted_server import expert_script, serve_in_thread
 
 ME = "me@home.example"
@@ -123,3 +126,81 @@ def test_walkthrough_tiny_cpu_train(walkthrough):
                      2, "--max-tokens", 32, "--val-size", 0, "--cpu-train-threads", 1)
     assert re.search(r"^step\s+1\b", result.stdout, re.M), result.stdout
     assert (tmp / "art" / "email-agent" / "models" / "mine" / "checkpoints" / "0001").is_dir()
+
+
+PHONE = re.compile(r"\(?\b\d{3}\)?[ .-]\d{3}-\d{4}\b")
+
+
+def real_mail_writer(body):
+    """The scripted question writer on real mail: for each email it is shown that gives a phone number, "What
+    phone number did SENDER give about SUBJECT?", citing that email."""
+    questions = []
+    for mid, sender, subject, text in re.findall(r'<email id="([^"]+)">\nDate: [^\n]*\nFrom: ([^\n]*)\nTo: [^\n]*\n'
+                                                 r'Subject: ([^\n]*)\n\n(.*?)\n</email>', body["messages"][-1]["content"],
+                                                 re.S):
+        phone = PHONE.search(text)
+        if phone and subject.strip():
+            questions.append({"question": f"What phone number did {sender.split('@')[0]} give about "
+                                          f"{subject.strip()}?", "answer": phone.group(0), "message_ids": [mid],
+                              "how_realistic": 0.7})
+    return {"text": json.dumps({"questions": questions[:3]})}
+
+
+def write_real_mbox(path, inbox_folder, count):
+    """The first `count` emails of one CMU inbox folder of the Enron sample, as a mail client would export them."""
+    box, written = mailbox.mbox(path), 0
+    with gzip.open(ENRON_EMAILS, "rt", encoding="utf-8") as lines:
+        for line in lines:
+            record = json.loads(line)
+            if record["inbox"] != inbox_folder or "\n" in record["subject"] + record["from_address"]:
+                continue
+            msg = Message()  # compat32: Enron's address lists hold tokens a strict header parser refuses
+            msg["From"], msg["Subject"], msg["Message-ID"] = record["from_address"], record["subject"], record["message_id"]
+            if record["to_addresses"]:
+                msg["To"] = ", ".join(record["to_addresses"])
+            if record["cc_addresses"]:
+                msg["Cc"] = ", ".join(record["cc_addresses"])
+            msg["Date"] = format_datetime(datetime.fromisoformat(parse_date(record["date"])).replace(tzinfo=timezone.utc))
+            msg.set_payload(record["body"], charset="utf-8")
+            box.add(msg)
+            written += 1
+            if written == count:
+                break
+    box.close()
+
+
+@pytest.mark.slow
+def test_walkthrough_on_real_mail_with_the_expert(tmp_path):
+    """The README's own-inbox walkthrough, trained as it says, on 300 real emails of one Enron inbox: mbox ->
+    build-db -> generate-questions (a scripted writer) -> train --sft-from expert on CPU -> evaluate -> ask."""
+    if not ENRON_EMAILS.exists():
+        pytest.skip(f"the real Enron sample is not at {ENRON_EMAILS.parent} (it lives beside the checkout)")
+    inbox = "tana.jones@enron.com"
+    write_real_mbox(tmp_path / "tana.mbox", "jones-t", 300)
+    built = command("train_email_search_agent.py", "build-db", "--emails", tmp_path / "tana.mbox", "--db",
+                    tmp_path / "me.db", "--quiet")
+    assert re.search(r"^emails\s+300 ", built.stdout, re.M), built.stdout
+    with serve_in_thread({"gen": real_mail_writer}) as server:
+        generated = command("train_email_search_agent.py", "generate-questions", "--db", tmp_path / "me.db", "--model",
+                            "hosted_vllm/gen", "--base-url", server.base_url, "--inbox", inbox, "--batch-size", 40,
+                            "--max-questions", 16, "--test-fraction", 0.25, "--quiet")
+    assert re.search(r"added [1-9]\d* test, [1-9]\d* train", generated.stdout), generated.stdout
+    shape = ["--max-turns", 6, "--max-tokens", 96]
+    trained = command("train_email_search_agent.py", "train", "--db", tmp_path / "me.db", "--name", "me", "--art-dir",
+                      tmp_path / "art", "--sft-from", "expert", "--sft-only", "--sft-limit", 4, "--sft-batch-size", 4,
+                      "--sft-learning-rate", "1e-3", "--val-size", 0, "--cpu-train-threads", 1, *shape)
+    ceiling = re.search(r"expert on the (\d+) train questions, in 6 turns: solved (\d+) of", trained.stderr)
+    assert ceiling and int(ceiling[2]) > 0, trained.stderr[-3000:]
+    assert "warm start: 4 trajectories from expert" in trained.stderr
+    assert (tmp_path / "art" / "email-agent" / "models" / "me" / "checkpoints" / "0001").is_dir()
+    command("test_email_search_agent.py", "--db", tmp_path / "me.db", "--model", "me", "--limit", 2, "--art-dir",
+            tmp_path / "art", "--output", tmp_path / "eval", "--grounded-answers")
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())["models"]
+    assert [(label, s["n"], s["n_errors"]) for label, s in summary.items()] == [("me@1", 2, 0)], summary
+    db = EmailDB(tmp_path / "me.db")
+    question = qmod.select_questions(db, "test")[0]
+    db.close()
+    asked = command("train_email_search_agent.py", "ask", "--db", tmp_path / "me.db", "--inbox", inbox, "--art-dir",
+                    tmp_path / "art", "--model", "me", "--as-of", question.query_date, "--json", question.question)
+    answer = json.loads(asked.stdout[asked.stdout.index("{"):])
+    assert answer["model"] == "me@1" and answer["question"] == question.question and "answer" in answer, answer

@@ -63,7 +63,7 @@ def test_untrained_policy_cannot_learn(demo_db, qs):
     assert h.no_answer == 1.0 and h.mean_reward == pytest.approx(-0.5 - 0.2) and h.turns_without_logprobs == 0.0
     verdict = preflight.diagnose(h, reward_mode="offline")
     assert not verdict.ok and verdict.headline.startswith("cannot learn: no valid tool calls")
-    assert "--sft-from demo-expert" in verdict.headline
+    assert "--sft-from expert" in verdict.headline
     # a warm start that is configured but has not run yet is the fix to name
     pending = preflight.diagnose(h, reward_mode="offline", sft_from="demo-expert", warm_start_pending=True)
     assert "--sft-only" in pending.headline
@@ -225,7 +225,7 @@ def test_untrained_cpu_model_gets_cannot_learn(demo_db_path, tmp_path):
          "--rollouts-per-group", "2", "--max-turns", "2", "--max-tokens", "32"],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "Error: cannot learn: no valid tool calls; warm-start it first: --sft-from demo-expert" in proc.stderr
+    assert "Error: cannot learn: no valid tool calls; warm-start it first: --sft-from expert" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "valid tool calls     0%" in proc.stdout and "trainable groups" in proc.stdout
     assert not (art_dir / "email-agent" / "models" / "raw").exists()  # nothing trained, no run left behind

@@ -1,15 +1,18 @@
 """Warm-start sources: the scripted demo expert and a teacher's evaluation folder."""
 
 import asyncio
+import hashlib
 import json
 import logging
 
 import pytest
 
 from email_agent import questions as qmod
+from email_agent.config import DEMO_PRESET, TrainConfig, check
 from email_agent.data import DataError
-from email_agent.rollout import RolloutConfig
-from email_agent.sft import expert_trajectories, question_keywords, sft_source, teacher_trajectories
+from email_agent.expert import question_keywords
+from email_agent.rollout import RolloutConfig, assistant_message
+from email_agent.sft import expert_trajectories, sft_source, teacher_trajectories
 
 
 def test_question_keywords():
@@ -31,6 +34,23 @@ def test_expert_solves_most_train_questions_and_never_test(demo_db):
         names = [c.function.name for c in (ch.message.tool_calls for ch in t.messages_and_choices
                                            if not isinstance(ch, dict)) for c in c]
         assert names[0] == "search_inbox" and names[-1] == "return_final_answer" and "read_email" in names
+
+
+def test_the_demo_presets_warm_start_episodes_are_unchanged(demo_db, caplog):
+    """`make demo` warm-starts from `--sft-from demo-expert`: the generalised expert, searching the question's
+    names first, plays the demo preset's train questions message for message as the demo-only expert did
+    (the digest below was the same from that expert's code, commit 1aa0dbd), and logs its ceiling."""
+    _, train, _ = qmod.training_questions(demo_db, TrainConfig(**DEMO_PRESET))
+    config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    with caplog.at_level(logging.INFO, logger="email_agent"):
+        trajs = asyncio.run(sft_source("demo-expert", demo_db, train, config))
+    played = json.dumps([[m if isinstance(m, dict) else assistant_message(m) for m in t.messages_and_choices]
+                         for t in trajs])
+    assert len(trajs) == 207
+    assert hashlib.sha256(played.encode()).hexdigest() == \
+        "b16d810da2c55ad2dece266b75c54b3d4a6da59d321c3e40a7ceb1910eff80e9"
+    assert ("expert on the 202 train questions, in 4 turns: solved 155 of 202 (77%); answered from another email 10; "
+            "said \"I don't know\" 37; ran out of turns 0") in caplog.text
 
 
 def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
@@ -123,8 +143,12 @@ def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, c
 
 
 def test_bad_sources_are_clear_errors(demo_db, tmp_path):
-    with pytest.raises(DataError, match="demo-expert"):
+    with pytest.raises(DataError, match="expected 'expert'"):
         sft_source("no-such-thing", demo_db, [], RolloutConfig())
+    for name in ("expert", "demo-expert"):  # the expert's names pass the checks made before anything loads
+        check(TrainConfig(sft_from=name, sft_only=True))
+    with pytest.raises(DataError, match="expected 'expert' or an evaluation folder"):
+        check(TrainConfig(sft_from="experts", sft_only=True))
     with pytest.raises(DataError, match="results.jsonl"):
         asyncio.run(sft_source(str(tmp_path), demo_db, [], RolloutConfig()))
 
