@@ -464,6 +464,18 @@ def test_question_selection(small_db):
                                              "train": {"total": 3, "answerable": 2}}
 
 
+def test_a_split_with_no_answerable_question_counts_none(tmp_path):
+    path = tmp_path / "q.db"
+    build_database([record(1)], [question(1), question(2, split="test", message_ids=["<missing@x>"])], path,
+                   source="test", progress=False)
+    db = EmailDB(path)
+    try:
+        assert questions.question_counts(db) == {"test": {"total": 1, "answerable": 0},
+                                                 "train": {"total": 1, "answerable": 1}}
+    finally:
+        db.close()
+
+
 def test_question_shuffle_is_seeded(demo_db):
     a = questions.select_questions(demo_db, "train", seed=1, limit=20)
     assert a == questions.select_questions(demo_db, "train", seed=1, limit=20)
