@@ -21,7 +21,7 @@ from email_agent import data, questions
 from email_agent.build import build_database
 from email_agent.config import TrainConfig
 from email_agent.data import EmailDB, normalize_email
-from email_agent.tools import Inbox, call_tool, parse_arguments
+from email_agent.tools import TOOLS, Inbox, call_tool, parse_arguments
 
 
 def record(i, **over):
@@ -192,7 +192,11 @@ def test_the_agents_read_shows_what_tells_it_something_and_cuts_long_bodies(smal
     assert (hidden.error, hidden.result) == (None, None) and "no email with message_id '<m30@x>'" in hidden.content
 
 
-def test_tool_argument_mistakes_are_caught_and_shown_with_a_call_that_works():
+def test_tool_argument_mistakes_are_caught_and_shown_with_a_call_that_works(small_db):
+    unknown = call_tool(Inbox(small_db[1], "bob@x.com", "2001-06-30"), "delete_inbox", {})
+    assert (unknown.name, unknown.error) == ("delete_inbox", "bad_tool_name")
+    assert unknown.content.endswith("the tools are search_inbox, read_email, return_final_answer.")  # the real names
+    assert {t["function"]["name"] for t in TOOLS} == {"search_inbox", "read_email", "return_final_answer"}
     for name in ("search_inbox", "read_email", "return_final_answer"):
         with pytest.raises(ValueError, match="must be a JSON object like ") as caught:
             parse_arguments(name, "[1]")
@@ -543,6 +547,8 @@ def test_question_selection_seed_and_limit_and_replay_share(demo_db):
     assert [q.id for q in train] == sorted(q.id for q in train)  # by id without a seed
     assert questions.select_questions(demo_db, "train", limit=5) == train[:5]
     assert questions.select_questions(demo_db, "train", seed=0, limit=None) != train
+    val, rest, _ = questions.training_questions(demo_db, TrainConfig(val_size=2, train_limit=5, seed=3))
+    assert val + rest == questions.select_questions(demo_db, "train", single_source=True, seed=3)[:7]  # the run's seed
     mixed = questions.with_unanswerable(train[:20], demo_db, 0.2, seed=3)
     replays = mixed[20:]
     assert len(replays) == 5 and all(q.id.endswith("-withheld") for q in replays)  # 5 of 25 = 20%
