@@ -193,8 +193,11 @@ def test_the_agents_read_shows_what_tells_it_something_and_cuts_long_bodies(smal
 
 
 def test_tool_argument_mistakes_are_caught_and_shown_with_a_call_that_works(small_db):
-    unknown = call_tool(Inbox(small_db[1], "bob@x.com", "2001-06-30"), "delete_inbox", {})
-    assert (unknown.name, unknown.error) == ("delete_inbox", "bad_tool_name")
+    inbox = Inbox(small_db[1], "bob@x.com", "2001-06-30")
+    unknown, malformed = call_tool(inbox, "delete_inbox", {}), call_tool(inbox, "read_email", "{")
+    assert (unknown.name, unknown.error, malformed.name, malformed.error) == ("delete_inbox", "bad_tool_name",
+                                                                              "read_email", "bad_tool_args")
+    assert malformed.content.startswith("Error: the arguments of read_email are not valid JSON")
     assert unknown.content.endswith("the tools are search_inbox, read_email, return_final_answer.")  # the real names
     assert {t["function"]["name"] for t in TOOLS} == {"search_inbox", "read_email", "return_final_answer"}
     for name in ("search_inbox", "read_email", "return_final_answer"):
