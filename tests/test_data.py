@@ -550,8 +550,10 @@ def test_question_selection_seed_and_limit_and_replay_share(demo_db):
     assert [q.id for q in train] == sorted(q.id for q in train)  # by id without a seed
     assert questions.select_questions(demo_db, "train", limit=5) == train[:5]
     assert questions.select_questions(demo_db, "train", seed=0, limit=None) != train
-    val, rest, _ = questions.training_questions(demo_db, TrainConfig(val_size=2, train_limit=5, seed=3))
-    assert val + rest == questions.select_questions(demo_db, "train", single_source=True, seed=3)[:7]  # the run's seed
+    val, rest, grpo = questions.training_questions(demo_db, TrainConfig(val_size=2, train_limit=10, seed=3,
+                                                                        unanswerable_share=0.2))
+    assert val + rest == questions.select_questions(demo_db, "train", single_source=True, seed=3)[:12]  # the run's seed
+    assert grpo == questions.with_unanswerable(rest, demo_db, 0.2, seed=3) != questions.with_unanswerable(rest, demo_db, 0.2)
     mixed = questions.with_unanswerable(train[:20], demo_db, 0.2, seed=3)
     replays = mixed[20:]
     assert len(replays) == 5 and all(q.id.endswith("-withheld") for q in replays)  # 5 of 25 = 20%
