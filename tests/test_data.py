@@ -449,6 +449,13 @@ def test_hub_schema_via_parquet(tmp_path):
         assert normalize_email(row)["from_address"] == "a@x.com"
 
 
+def test_hub_questions_are_both_splits_each_row_tagged_with_its_own(monkeypatch):
+    hub = {"corbt/enron_emails_sample_questions": {"train": [{"id": 1}, {"id": 2}], "test": [{"id": 3}]}}
+    monkeypatch.setattr(data, "load_hub_dataset", hub.__getitem__)
+    assert list(questions.read_hub_questions()) == [{"id": 1, "split": "train"}, {"id": 2, "split": "train"},
+                                                    {"id": 3, "split": "test"}]
+
+
 def test_hub_unreachable_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--db", "/dev/null/x"],
