@@ -520,6 +520,11 @@ def test_question_files_that_are_not_there_are_one_line_errors(tmp_path):
         questions.read_questions(tmp_path / "q.jsonl")
     (tmp_path / "q.jsonl").write_text(json.dumps(question(1)) + "\n")
     assert list(questions.read_questions(tmp_path / "q.jsonl")) == [question(1)]
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.Table.from_pylist([question(2)]), tmp_path / "Q.PARQUET")  # any case of the suffix
+    assert list(questions.read_questions(tmp_path / "Q.PARQUET")) == [question(2)]
 
 
 def test_withheld_questions_are_asked_the_day_before_their_answer_arrived(small_db):
