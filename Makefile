@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
-.PHONY: setup demo test bench setup-gpu gpu-smoke
+.PHONY: setup demo test bench mutants setup-gpu gpu-smoke
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,13 @@ bench: setup
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_cpu_backend.py
+
+# Mutation testing of tools, questions, rewards, summary, rollout and data against their fast tests ([tool.mutmut] in
+# pyproject.toml; work copy in mutants/). Not CI's: it takes hours. Survivors: `mutmut results`, `mutmut show NAME`.
+mutants: setup
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	nice -n 19 $(VENV)/bin/mutmut run
+	$(VENV)/bin/mutmut results
 
 # One CUDA GPU: ART's LocalBackend (unsloth + vLLM). Not CI's: no GPU there.
 setup-gpu: $(GPU_VENV)/.installed

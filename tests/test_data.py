@@ -1,5 +1,6 @@
 """The database build (sources, atomicity, counts) and the read-only search/read queries."""
 
+import dataclasses
 import datetime
 import email
 import gzip
@@ -18,7 +19,9 @@ from hypothesis import strategies as st
 from conftest import ROOT, needs_enron
 from email_agent import data, questions
 from email_agent.build import build_database
+from email_agent.config import TrainConfig
 from email_agent.data import EmailDB, normalize_email
+from email_agent.tools import TOOLS, Inbox, call_tool, parse_arguments
 
 
 def record(i, **over):
@@ -148,6 +151,69 @@ def test_from_and_to_filters_find_what_they_name(small_db):
     cc_carol = {r.message_id for r in db.search("bob@x.com", ["falcon"], to_address="carol@x.com", max_results=20)}
     assert cc_carol == to_bob  # to_address matches cc too
     assert db.search("bob@x.com", ["falcon"], to_address="erin@x.com") == []
+
+
+# ---- the agent's tools: the search and read it is given, and its mistakes ----------------------------------
+
+def test_the_agents_search_keeps_its_filters_and_its_default_count(small_db):
+    """What `search_inbox` finds through the agent's tool: each filter the model sends reaches the search (a
+    dropped one would list mail it excludes), the inbox's default count applies when the model names none."""
+    _, db = small_db
+    inbox = Inbox(db, "bob@x.com", "2001-06-30", default_max_results=3)
+
+    def found(**arguments):
+        outcome = call_tool(inbox, "search_inbox", {"keywords": ["falcon"], **arguments})
+        assert outcome.error is None and outcome.arguments == {"keywords": ["falcon"], **arguments}
+        assert outcome.result == (json.loads(outcome.content) if outcome.result else [])  # what the model is shown
+        return [r["message_id"] for r in outcome.result]
+
+    assert len(found()) == 3 and len(found(max_results=5)) == 5
+    assert found(from_address="dave@x.com") == [] and len(found(from_address="alice@x.com")) == 3
+    assert found(to_address="erin@x.com") == [] and len(found(to_address="carol@x.com")) == 3
+    assert sorted(found(sent_after="2001-05-05", sent_before="2001-05-07")) == ["<m4@x>", "<m5@x>"]
+    assert "<m31@x>" not in found(max_results=20)  # sent on 07-15, after the question's day
+    assert "<m31@x>" in {r["message_id"] for r in Inbox(db, "bob@x.com", "2001-07-15").search_inbox(["falcon"], max_results=20)}
+    empty = call_tool(inbox, "search_inbox", {"keywords": ["zebra"]})
+    assert (empty.error, empty.result) == (None, []) and empty.content.startswith("No emails matched")
+
+
+def test_the_agents_read_shows_what_tells_it_something_and_cuts_long_bodies(small_db):
+    _, db = small_db
+    body = db.read("<m2@x>").body
+    outcome = call_tool(Inbox(db, "bob@x.com", "2001-06-30", max_body_chars=10), "read_email", {"message_id": "<m2@x>"})
+    shown = json.loads(outcome.content)
+    assert outcome.error is None and outcome.result == shown
+    assert "file_name" not in shown and "bcc_addresses" not in shown  # empty or the agent's no business: not shown
+    assert shown["cc_addresses"] == ["carol@x.com"] and shown["subject"] == "subject 2"
+    assert shown["body"] == body[:10] + f"\n[... {len(body) - 10} more characters cut]"
+    whole = call_tool(Inbox(db, "bob@x.com", "2001-06-30", max_body_chars=len(body)), "read_email", {"message_id": "<m2@x>"})
+    assert whole.result["body"] == body  # a body of exactly the limit is not cut
+    hidden = call_tool(Inbox(db, "bob@x.com", "2001-06-30"), "read_email", {"message_id": "<m30@x>"})
+    assert (hidden.error, hidden.result) == (None, None) and "no email with message_id '<m30@x>'" in hidden.content
+
+
+def test_tool_argument_mistakes_are_caught_and_shown_with_a_call_that_works(small_db):
+    inbox = Inbox(small_db[1], "bob@x.com", "2001-06-30")
+    unknown, malformed = call_tool(inbox, "delete_inbox", {}), call_tool(inbox, "read_email", "{")
+    assert (unknown.name, unknown.error, malformed.name, malformed.error) == ("delete_inbox", "bad_tool_name",
+                                                                              "read_email", "bad_tool_args")
+    assert malformed.content.startswith("Error: the arguments of read_email are not valid JSON")
+    assert unknown.content.endswith("the tools are search_inbox, read_email, return_final_answer.")  # the real names
+    assert {t["function"]["name"] for t in TOOLS} == {"search_inbox", "read_email", "return_final_answer"}
+    for name in ("search_inbox", "read_email", "return_final_answer"):
+        with pytest.raises(ValueError, match="must be a JSON object like ") as caught:
+            parse_arguments(name, "[1]")
+        example = str(caught.value).split(" like ", 1)[1]
+        assert parse_arguments(name, example) == json.loads(example)  # the example given is itself a good call
+    with pytest.raises(ValueError, match="read_email needs 'message_id'"):
+        parse_arguments("read_email", None)
+    assert parse_arguments("search_inbox", {"keywords": ["a"], "from_address": None}) == {"keywords": ["a"]}
+    for arguments, message in [({"keywords": ["a"], "max_results": True}, "'max_results' must be an integer"),
+                               ({"keywords": ["a", 1]}, "'keywords' must be a list of strings"),
+                               ({"keywords": ["a"], "from_address": 5}, "'from_address' must be a string"),
+                               ({"keywords": ["a"], "sent_before": "2001-13-01"}, "'sent_before' must be a date like")]:
+        with pytest.raises(ValueError, match=message):
+            parse_arguments("search_inbox", arguments)
 
 
 def test_database_is_read_only(small_db):
@@ -383,6 +449,13 @@ def test_hub_schema_via_parquet(tmp_path):
         assert normalize_email(row)["from_address"] == "a@x.com"
 
 
+def test_hub_questions_are_both_splits_each_row_tagged_with_its_own(monkeypatch):
+    hub = {"corbt/enron_emails_sample_questions": {"train": [{"id": 1}, {"id": 2}], "test": [{"id": 3}]}}
+    monkeypatch.setattr(data, "load_hub_dataset", hub.__getitem__)
+    assert list(questions.read_hub_questions()) == [{"id": 1, "split": "train"}, {"id": 2, "split": "train"},
+                                                    {"id": 3, "split": "test"}]
+
+
 def test_hub_unreachable_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--db", "/dev/null/x"],
@@ -405,11 +478,99 @@ def test_question_selection(small_db):
                                              "train": {"total": 3, "answerable": 2}}
 
 
+def test_a_split_with_no_answerable_question_counts_none(tmp_path):
+    path = tmp_path / "q.db"
+    build_database([record(1)], [question(1), question(2, split="test", message_ids=["<missing@x>"])], path,
+                   source="test", progress=False)
+    db = EmailDB(path)
+    try:
+        assert questions.question_counts(db) == {"test": {"total": 1, "answerable": 0},
+                                                 "train": {"total": 1, "answerable": 1}}
+    finally:
+        db.close()
+
+
 def test_question_shuffle_is_seeded(demo_db):
     a = questions.select_questions(demo_db, "train", seed=1, limit=20)
     assert a == questions.select_questions(demo_db, "train", seed=1, limit=20)
     assert a != questions.select_questions(demo_db, "train", seed=2, limit=20)
     assert len(a) == 20
+
+
+def test_a_question_record_is_read_as_given_and_refused_with_its_reason():
+    raw = {"id": 3, "question": " When? ", "answer": " Friday ", "message_ids": '["<a@x>", " <b@x> "]',
+           "how_realistic": "0.5", "inbox_address": " Bob@X.com ", "query_date": "2001-06-30T08:00:00"}
+    assert questions.normalize_question(raw) == questions.Question(3, "When?", "Friday", ["<a@x>", "<b@x>"], 0.5,
+                                                                   "bob@x.com", "2001-06-30", "train")
+    one = questions.normalize_question({**raw, "message_ids": "<a@x>", "how_realistic": None, "split": "test"})
+    assert (one.message_ids, one.how_realistic, one.split) == (["<a@x>"], None, "test")
+    for bad, reason in [("not a record", "not an object: 'not a record'"), ({"_error": "line 3 is not JSON"}, "line 3 is not JSON"),
+                        ({**raw, "answer": None, "inbox_address": None}, "missing answer, inbox_address"),
+                        ({**raw, "answer": " ", "message_ids": []}, "empty answer, message_ids"),
+                        ({**raw, "query_date": "someday"}, "someday"), ({**raw, "how_realistic": "very"}, "very")]:
+        with pytest.raises(ValueError) as caught:
+            questions.normalize_question(bad)
+        assert reason in str(caught.value), (bad, caught.value)
+
+
+def test_question_files_that_are_not_there_are_one_line_errors(tmp_path):
+    with pytest.raises(data.DataError, match="is a folder; give the questions file"):
+        questions.read_questions(tmp_path)
+    with pytest.raises(data.DataError, match="No such question file"):
+        questions.read_questions(tmp_path / "q.jsonl")
+    (tmp_path / "q.jsonl").write_text(json.dumps(question(1)) + "\n")
+    assert list(questions.read_questions(tmp_path / "q.jsonl")) == [question(1)]
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    pq.write_table(pyarrow.Table.from_pylist([question(2)]), tmp_path / "Q.PARQUET")  # any case of the suffix
+    assert list(questions.read_questions(tmp_path / "Q.PARQUET")) == [question(2)]
+
+
+def test_withheld_questions_are_asked_the_day_before_their_answer_arrived(small_db):
+    _, db = small_db
+    one, two_sources = questions.select_questions(db, "train")
+    assert questions.withheld(one, db) == dataclasses.replace(one, query_date="2001-05-01")  # gold sent 05-02
+    assert questions.withheld(two_sources, db).query_date == "2001-05-04"  # the earlier of 05-05 and 05-06
+    unanswerable = questions.select_questions(db, "train", require_gold=False)[1]
+    assert unanswerable.message_ids == ["<missing@x>"] and questions.withheld(unanswerable, db) is None
+    assert questions.with_unanswerable([one, two_sources], db, 0.0) == [one, two_sources]
+    replayed = questions.with_unanswerable([one, two_sources], db, 0.5)  # one replay per question at most
+    assert replayed[:2] == [one, two_sources] and len(replayed) == 4
+    for asked in (one, two_sources):
+        assert dataclasses.replace(questions.withheld(asked, db), id=f"{asked.id}-withheld") in replayed[2:]
+
+
+def test_a_runs_questions_hold_out_validation_then_train_then_replays(small_db):
+    _, db = small_db
+    one, four = questions.select_questions(db, "train")
+    cfg = TrainConfig(db="small.db", val_size=1, single_source=False, seed=None)
+    assert questions.training_questions(db, cfg) == ([one], [four], [four])
+    assert questions.training_questions(db, TrainConfig(val_size=0, single_source=True, seed=None))[1] == [one]
+    assert questions.training_questions(db, TrainConfig(val_size=0, train_limit=1, single_source=False, seed=None,
+                                                        unanswerable_share=0.5))[1:] == (
+        [one], [one, dataclasses.replace(questions.withheld(one, db), id="1-withheld")])
+    with pytest.raises(data.DataError, match=r"No answerable training questions in small.db \(after holding out 2 "
+                                             r"for validation: a smaller --val-size, or write some"):
+        questions.training_questions(db, TrainConfig(db="small.db", val_size=2, single_source=False))
+    with pytest.raises(data.DataError, match=r"No answerable training questions in small.db \(write some"):
+        questions.training_questions(db, TrainConfig(db="small.db", val_size=0, min_realistic=0.95))
+
+
+def test_question_selection_seed_and_limit_and_replay_share(demo_db):
+    train = questions.select_questions(demo_db, "train")
+    assert [q.id for q in train] == sorted(q.id for q in train)  # by id without a seed
+    assert questions.select_questions(demo_db, "train", limit=5) == train[:5]
+    assert questions.select_questions(demo_db, "train", seed=0, limit=None) != train
+    val, rest, grpo = questions.training_questions(demo_db, TrainConfig(val_size=2, train_limit=10, seed=3,
+                                                                        unanswerable_share=0.2))
+    assert val + rest == questions.select_questions(demo_db, "train", single_source=True, seed=3)[:12]  # the run's seed
+    assert grpo == questions.with_unanswerable(rest, demo_db, 0.2, seed=3) != questions.with_unanswerable(rest, demo_db, 0.2)
+    mixed = questions.with_unanswerable(train[:20], demo_db, 0.2, seed=3)
+    replays = mixed[20:]
+    assert len(replays) == 5 and all(q.id.endswith("-withheld") for q in replays)  # 5 of 25 = 20%
+    assert replays == questions.with_unanswerable(train[:20], demo_db, 0.2, seed=3)[20:]  # seeded
+    assert replays != questions.with_unanswerable(train[:20], demo_db, 0.2, seed=4)[20:]
 
 
 # ---- the real Enron sample -------------------------------------------------------------------------
@@ -489,8 +650,8 @@ def test_build_db_never_destroys_what_it_cannot_give_back(small_db, tmp_path):
     ("mail.parquet", b"not parquet at all", "is not a readable Parquet file"),
     ("mail.jsonl", json.dumps(record(1)).encode() + b"\n" + "caf\u00e9".encode("latin-1") + b"\n",
      "line 2 is not UTF-8"),
-    ("mail.jsonl.gz", gzip.compress(json.dumps(record(1)).encode())[:20], "is not a complete gzip file"),
-])
+    ("mail.jsonl.gz", gzip.compress(json.dumps(record(1)).encode(), mtime=0)[:20], "is not a complete gzip file"),
+], ids=["parquet", "jsonl", "jsonl.gz"])  # stable ids: mutmut names the tests it reruns by id
 def test_unreadable_source_files_are_one_line_errors(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
     for flag in ("--emails", "--questions"):
