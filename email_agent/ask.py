@@ -137,6 +137,16 @@ def add_arguments(p, default_db: str) -> None:
     p.add_argument("question", metavar="QUESTION")
     p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
     p.add_argument("--as-of", metavar="DATE", help="the agent's today: mail dated later is hidden (default: today)")
+    add_model_arguments(p, default_db)
+    p.add_argument("--grounded-answers", action="store_true",
+                   help="withhold an answer that names something (a word with a capital or a digit) in no email or "
+                        "search result the agent saw: it says \"I don't know\" and shows what it withheld")
+    p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
+    p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, turns, tool_calls, ...")
+
+
+def add_model_arguments(p, default_db: str) -> None:
+    """Which model answers, on which database, in which episode shape: the flags `ask` and `serve` share."""
     p.add_argument("--db", metavar="PATH", help=f"database (default: the run's own, else {default_db})")
     p.add_argument("--model", metavar="SPEC", help="RUN[@STEP] (default: the most recent run), base, or a "
                                                    "provider/model such as openai/o4-mini or hosted_vllm/NAME")
@@ -145,8 +155,3 @@ def add_arguments(p, default_db: str) -> None:
     p.add_argument("--max-turns", type=int, metavar="N", help="agent turns (default: what the run was trained with)")
     p.add_argument("--max-tokens", type=int, metavar="N", help="tokens per reply (default: what the run was trained "
                                                                "with)")
-    p.add_argument("--grounded-answers", action="store_true",
-                   help="withhold an answer that names something (a word with a capital or a digit) in no email or "
-                        "search result the agent saw: it says \"I don't know\" and shows what it withheld")
-    p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
-    p.add_argument("--json", action="store_true", help="print one JSON object: answer, sources, turns, tool_calls, ...")

@@ -272,14 +272,7 @@ def add_arguments(p, default_db: str) -> None:
     p.add_argument("--inbox", action="append", default=[], metavar="ADDRESS",
                    help="an inbox clients may use (repeatable); any other is refused. Default: every inbox of the "
                         "database, with a warning")
-    p.add_argument("--db", metavar="PATH", help=f"database (default: the run's own, else {default_db})")
-    p.add_argument("--model", metavar="SPEC", help="RUN[@STEP] (default: the most recent run), base, or a "
-                                                   "provider/model such as openai/o4-mini or hosted_vllm/NAME")
-    p.add_argument("--base-url", help="OpenAI-compatible endpoint for a provider/model")
-    p.add_argument("--api-key", help="key for --base-url (default: OPENAI_API_KEY for openai/, else POLICY_API_KEY)")
-    p.add_argument("--max-turns", type=int, metavar="N", help="agent turns (default: what the run was trained with)")
-    p.add_argument("--max-tokens", type=int, metavar="N",
-                   help="tokens per reply (default: what the run was trained with)")
+    ask.add_model_arguments(p, default_db)
     p.add_argument("--grounded-answers", action=argparse.BooleanOptionalAction, default=True,
                    help="withhold an answer that names something in no email or search result the agent saw "
                         "(default: on)")
