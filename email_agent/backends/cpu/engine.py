@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +58,25 @@ ACCEPTANCE_PRIOR, ACCEPTANCE_RATE = 0.5, 0.2  # each row's running estimate that
 # a quarter pays back in ~20 steps; rows that finish compact it anyway, most turns are shorter than that.
 HOLE_SHARE = 0.25
 KEYS_TRANSPOSED = True  # the batch's key cache laid out with positions last (see GrowingLayer)
+
+# Hand freed heap memory back to the OS every TRIM_SECONDS. glibc keeps what each thread frees in that thread's
+# arena, and the KV buffers of ever-changing widths fragment them: an evaluation of three demo checkpoints held
+# 10.3 GiB with 4.1 GiB of live tensors, and 5.7 GiB when trimmed every 20 s (a trim takes 0.1-0.3 s).
+TRIM_SECONDS = 15.0
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only; elsewhere there is nothing to do
+_last_trim = [time.monotonic()]
+
+
+def return_freed_memory(now: float | None = None) -> bool:
+    """Trim the heap if TRIM_SECONDS have passed since the last trim by any worker; True if it trimmed."""
+    now = time.monotonic() if now is None else now
+    if _malloc_trim is None or now - _last_trim[0] < TRIM_SECONDS:
+        return False
+    _last_trim[0] = now
+    _malloc_trim(0)
+    return True
+
 
 # Decode forwards, their rows (row_forwards), the tokens those rows emitted, draft tokens proposed and accepted,
 # cache compactions: for benches and tests.
@@ -159,6 +181,7 @@ class Worker:
         batch = _Batch(self)
         try:
             while True:
+                return_freed_memory()
                 idle = not (batch.rows or self._pending or self._calls)
                 if idle:
                     _busy_workers.discard(self)
