@@ -351,22 +351,26 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     console = cli.console_flags()
 
-    p = sub.add_parser("build-db", parents=[console], help="build the search database and question sets",
-                       description="Build the SQLite/FTS5 email database (and its questions) atomically. "
-                                   "Example: python train_email_search_agent.py build-db --demo")
-    build.add_arguments(p, DEFAULT_DB, DEMO_DB)
-    p.set_defaults(func=build_db)
+    def command(name: str, func, parents: list, **texts: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=parents, **texts)
+        p.set_defaults(func=func)
+        return p
 
-    p = sub.add_parser("generate-questions", parents=[console], help="write a question set for an inbox with an LLM",
-                       description="Ask an LLM to write question/answer pairs from batches of one inbox's emails "
-                                   "(as ART·E made its questions), validate each against the database, split them "
-                                   "into train/test with no shared email, and store them in the database. Re-running "
-                                   "reuses cached replies and adds only new questions. Key: QUESTIONS_API_KEY, or the "
-                                   "provider's usual variable (OPENAI_API_KEY...). Example: python "
-                                   "train_email_search_agent.py generate-questions --db data/me.db --model "
-                                   "openai/gpt-4.1 --inbox me@example.com --max-questions 500")
+    p = command("build-db", build_db, [console], help="build the search database and question sets",
+                description="Build the SQLite/FTS5 email database (and its questions) atomically. "
+                            "Example: python train_email_search_agent.py build-db --demo")
+    build.add_arguments(p, DEFAULT_DB, DEMO_DB)
+
+    p = command("generate-questions", generate_questions, [console],
+                help="write a question set for an inbox with an LLM",
+                description="Ask an LLM to write question/answer pairs from batches of one inbox's emails "
+                            "(as ART·E made its questions), validate each against the database, split them "
+                            "into train/test with no shared email, and store them in the database. Re-running "
+                            "reuses cached replies and adds only new questions. Key: QUESTIONS_API_KEY, or the "
+                            "provider's usual variable (OPENAI_API_KEY...). Example: python "
+                            "train_email_search_agent.py generate-questions --db data/me.db --model "
+                            "openai/gpt-4.1 --inbox me@example.com --max-questions 500")
     generate.add_arguments(p, DEFAULT_DB)
-    p.set_defaults(func=generate_questions)
 
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--db", default=DEFAULT_DB, metavar="PATH", help=f"database (default {DEFAULT_DB})")
@@ -374,10 +378,10 @@ def make_parser() -> argparse.ArgumentParser:
                                                        "asked that day")
     common.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("search", parents=[common, console], help="search an inbox as the agent does",
-                       description="Search one inbox with the agent's own search. All keywords must match; best "
-                                   "match first. Example: python train_email_search_agent.py search --db data/demo.db "
-                                   "--inbox maya.okafor@larkspur.example Godwit review")
+    p = command("search", search, [common, console], help="search an inbox as the agent does",
+                description="Search one inbox with the agent's own search. All keywords must match; best "
+                            "match first. Example: python train_email_search_agent.py search --db data/demo.db "
+                            "--inbox maya.okafor@larkspur.example Godwit review")
     p.add_argument("keywords", nargs="+", metavar="KEYWORD")
     p.add_argument("--inbox", required=True, metavar="ADDRESS", help="whose mail (sent or received) to search")
     p.add_argument("--from", dest="from_address", metavar="ADDRESS", help="only mail sent by ADDRESS")
@@ -386,51 +390,45 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--before", metavar="DATE", help="only mail sent before DATE (YYYY-MM-DD)")
     p.add_argument("--max-results", type=int, default=10, metavar="N",
                    help="number of results (default 10, clamped to 1..20)")
-    p.set_defaults(func=search)
 
-    p = sub.add_parser("read", parents=[common, console], help="read one email as the agent does",
-                       description="Print one email with its recipients. Example: python train_email_search_agent.py "
-                                   "read --db data/demo.db '<demo.000001@larkspur.example>'")
+    p = command("read", read, [common, console], help="read one email as the agent does",
+                description="Print one email with its recipients. Example: python train_email_search_agent.py "
+                            "read --db data/demo.db '<demo.000001@larkspur.example>'")
     p.add_argument("message_id", metavar="MESSAGE_ID")
     p.add_argument("--inbox", metavar="ADDRESS", help="only if ADDRESS sent or received it")
-    p.set_defaults(func=read)
 
-    p = sub.add_parser("ask", parents=[console], help="ask a trained agent a question about an inbox",
-                       description="One question, answered by a trained agent (or any model) with the same rollout "
-                                   "as training and evaluation: each tool call is shown as it happens, then the answer "
-                                   "and the cited emails. No gold answer, so nothing is graded. Example: python "
-                                   "train_email_search_agent.py ask --db data/demo.db --inbox "
-                                   "priya.natarajan@larkspur.example 'Where is the Egret kickoff being held?'")
+    p = command("ask", ask_command, [console], help="ask a trained agent a question about an inbox",
+                description="One question to a trained agent (or any model), played by the rollout of training "
+                            "and evaluation, each tool call shown as it happens; nothing is graded. Example: "
+                            "python train_email_search_agent.py ask --db data/demo.db --inbox "
+                            "priya.natarajan@larkspur.example 'Where is the Egret kickoff being held?'")
     ask.add_arguments(p, DEFAULT_DB)
-    p.set_defaults(func=ask_command)
 
-    p = sub.add_parser("serve", parents=[console], help="serve a trained agent to assistants over MCP",
-                       description="An MCP server (stdio, or streamable HTTP with --http) with three tools: "
-                                   "ask_inbox (the trained agent answers, as `ask` does), search_inbox and read_email "
-                                   "(its own tools). The model is served once and shared by all requests. Example: "
-                                   "python train_email_search_agent.py serve --db data/demo.db --inbox "
-                                   "priya.natarajan@larkspur.example")
+    p = command("serve", serve_command, [console], help="serve a trained agent to assistants over MCP",
+                description="An MCP server (stdio, or streamable HTTP with --http) with three tools: "
+                            "ask_inbox (the trained agent answers, as `ask` does), search_inbox and read_email "
+                            "(its own tools). The model is served once and shared by all requests. Example: "
+                            "python train_email_search_agent.py serve --db data/demo.db --inbox "
+                            "priya.natarajan@larkspur.example")
     from email_agent import serve  # here, beside its subparser
 
     serve.add_arguments(p, DEFAULT_DB)
-    p.set_defaults(func=serve_command)
 
-    p = sub.add_parser("export", parents=[console], help="write a trained checkpoint for vLLM, transformers or llama.cpp",
-                       description="Write one checkpoint of a run as a PEFT LoRA folder (lora), the base model with the "
-                                   "LoRA merged, with its tokenizer and chat template (merged), or a float32 GGUF "
-                                   "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
-                                   "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
-                                   "--format merged --output export/demo-merged")
+    p = command("export", export_command, [console],
+                help="write a trained checkpoint for vLLM, transformers or llama.cpp",
+                description="Write one checkpoint of a run as a PEFT LoRA folder (lora), the base model with the "
+                            "LoRA merged, with its tokenizer and chat template (merged), or a float32 GGUF "
+                            "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
+                            "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
+                            "--format merged --output export/demo-merged")
     from email_agent import export  # here, beside its subparser
 
     export.add_arguments(p)
-    p.set_defaults(func=export_command)
 
-    p = sub.add_parser("train", parents=[console], help="train the agent with GRPO (resumes a run of the same name)",
-                       description="GRPO on the train split with rollouts from the agent environment. "
-                                   "Example: python train_email_search_agent.py train --demo")
+    p = command("train", train_command, [console], help="train the agent with GRPO (resumes a run of the same name)",
+                description="GRPO on the train split with rollouts from the agent environment. "
+                            "Example: python train_email_search_agent.py train --demo")
     cli.add_dataclass_flags(p, TrainConfig)  # one flag per field; its comment is the help text
-    p.set_defaults(func=train_command)
     return parser
 
 

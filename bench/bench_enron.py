@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,17 +31,10 @@ from email_agent.data import EmailDB  # noqa: E402
 from email_agent.expert import Ceiling, expert_episodes  # noqa: E402
 from email_agent.questions import select_questions, training_questions  # noqa: E402
 from email_agent.rollout import RolloutConfig  # noqa: E402
-from email_agent.summary import OUTCOMES, mcnemar_exact  # noqa: E402
+from shared import add_training_flags, answers_by_model, paired_test, print_table, run  # noqa: E402
 
 EMAILS = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 QUESTIONS = ROOT / "data" / "enron-questions" / "questions.jsonl"
-
-
-def run(label: str, *args: str) -> float:
-    print(f"--- {label}: {' '.join(args)}", flush=True)
-    started = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
-    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -50,13 +42,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "enron", help="output folder")
     parser.add_argument("--emails", type=Path, default=EMAILS, help="the Enron sample")
     parser.add_argument("--questions", type=Path, default=QUESTIONS, help="the real-mail question set")
-    parser.add_argument("--test-questions", type=int, default=80, help="held-out test questions evaluated")
-    parser.add_argument("--sft-limit", type=int, default=160, help="warm-start episodes (0: all the expert's)")
-    parser.add_argument("--sft-epochs", type=int, default=1, help="warm-start epochs")
-    parser.add_argument("--sft-learning-rate", type=float, default=1e-3,
-                        help="warm-start learning rate, constant (the demo preset's 1e-3)")
-    parser.add_argument("--rl-steps", type=int, default=6, help="GRPO steps")
-    parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
+    add_training_flags(parser, test_questions=80, sft_limit=160, sft_epochs=1, rl_steps=6)
     parser.add_argument("--groups-per-step", type=int, default=2)
     parser.add_argument("--val-size", type=int, default=8, help="train questions held out for validation")
     parser.add_argument("--max-turns", type=int, default=6,
@@ -104,17 +90,7 @@ def main() -> None:
     total = time.perf_counter() - started
 
     summary = json.loads((work / "report" / "summary.json").read_text())["models"]
-    print("\nheld-out test questions (real Enron mail), offline grading, grounding check; valid calls count turns "
-          "without a call as invalid")
-    print(f"{'model':<28}{'n':>5}{'accuracy [95% CI]':>24}{'valid calls':>13}{'halluc.':>9}{'turns':>7}")
-    for label, s in summary.items():
-        acc = "n/a" if s["accuracy"] is None else \
-            f"{s['accuracy']:.1%} [{s['accuracy_ci'][0]:.1%}-{s['accuracy_ci'][1]:.1%}]"
-        valid = "n/a" if s["valid_tool_call_rate"] is None else f"{s['valid_tool_call_rate']:.1%}"
-        print(f"{label:<28}{s['n']:>5}{acc:>24}{valid:>13}{s['hallucination_rate']:>9.1%}{s['avg_turns']:>7.2f}")
-    print("\nwhere answers went wrong (episodes):")
-    for label, s in summary.items():
-        print(f"  {label}: " + "; ".join(f"{OUTCOMES[k]} {s['outcomes'][k]}" for k in OUTCOMES))
+    print_table(summary, "held-out test questions (real Enron mail), offline grading, grounding check")
     print(f"\nthe expert, in this episode shape ({args.max_turns} turns, 3 results, emails cut at 600 characters):")
     for label, ceiling in ceilings.items():
         print(f"  {label}: {ceiling.describe()}")
@@ -144,28 +120,6 @@ def expert_ceilings(db_path: Path, args) -> dict[str, Ceiling]:
                 for label, questions in groups.items()}
     finally:
         db.close()
-
-
-def answers_by_model(results_path: Path) -> dict[str, dict]:
-    """model -> question id -> answered right, from an evaluation's results.jsonl (episodes with errors left out)."""
-    correct: dict[str, dict] = {}
-    for line in results_path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            if not r.get("error"):
-                correct.setdefault(r["model"], {})[r["question_id"]] = bool((r.get("metrics") or {}).get("answer_correct"))
-    return correct
-
-
-def paired_test(correct: dict[str, dict], final: str | None, other: str | None) -> str:
-    """Exact McNemar test of the final checkpoint against another model on the questions both answered."""
-    if final not in correct or other not in correct:
-        return f"\npaired test {final} vs. {other}: no results for both"
-    both = sorted(correct[final].keys() & correct[other].keys(), key=str)
-    only_final = sum(correct[final][q] and not correct[other][q] for q in both)
-    only_other = sum(correct[other][q] and not correct[final][q] for q in both)
-    return (f"\n{final} vs. {other} on the same {len(both)} questions: {final} alone right on {only_final}, "
-            f"{other} alone right on {only_other}; exact McNemar p = {mcnemar_exact(only_final, only_other):.3g}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,27 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.summary import OUTCOMES, mcnemar_exact  # noqa: E402
-
-
-def run(label: str, *args: str) -> float:
-    print(f"--- {label}: {' '.join(args)}", flush=True)
-    started = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
-    return time.perf_counter() - started
+from shared import add_training_flags, answers_by_model, paired_test, print_table, run  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
-    parser.add_argument("--test-questions", type=int, default=144,
-                        help="held-out test questions (144: all of the demo inbox's; runs F-Q2: the first 100)")
-    parser.add_argument("--sft-limit", type=int, default=0, help="warm-start episodes (0: all the expert's)")
-    parser.add_argument("--sft-epochs", type=int, default=2, help="warm-start epochs (runs F-R: 1; Q-U, W: 2; V: 4)")
-    parser.add_argument("--sft-learning-rate", type=float, default=1e-3,
-                        help="warm-start learning rate, constant (the demo preset's 1e-3)")
-    parser.add_argument("--rl-steps", type=int, default=10, help="GRPO steps (runs F-R: 14)")
-    parser.add_argument("--rl-learning-rate", type=float, default=1e-4)
+    add_training_flags(parser, test_questions=144, sft_limit=0, sft_epochs=2, rl_steps=10)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
                         help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
     parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=False,
@@ -117,16 +102,7 @@ def main() -> None:
     total = time.perf_counter() - started
 
     summary = json.loads((work / "report" / "summary.json").read_text())["models"]
-    print("\nheld-out test questions (demo inbox), offline grading; valid calls count turns without a call as invalid")
-    print(f"{'model':<22}{'n':>5}{'accuracy [95% CI]':>24}{'valid calls':>13}{'halluc.':>9}{'turns':>7}")
-    for label, s in summary.items():
-        acc = "n/a" if s["accuracy"] is None else \
-            f"{s['accuracy']:.1%} [{s['accuracy_ci'][0]:.1%}-{s['accuracy_ci'][1]:.1%}]"
-        valid = "n/a" if s["valid_tool_call_rate"] is None else f"{s['valid_tool_call_rate']:.1%}"
-        print(f"{label:<22}{s['n']:>5}{acc:>24}{valid:>13}{s['hallucination_rate']:>9.1%}{s['avg_turns']:>7.2f}")
-    print("\nwhere answers went wrong (episodes):")
-    for label, s in summary.items():
-        print(f"  {label}: " + "; ".join(f"{OUTCOMES[k]} {s['outcomes'][k]}" for k in OUTCOMES))
+    print_table(summary, "held-out test questions (demo inbox), offline grading")
     if args.grounded_answers:
         print("\nwithout the grounding check (each withheld answer graded as the agent gave it):")
         for label, s in summary.items():
@@ -134,8 +110,9 @@ def main() -> None:
             wrong = counts["wrong_read"] + counts["wrong_listed"] + counts["wrong_unseen"] + counts["withheld"] - right
             print(f"  {label}: {counts['withheld']} answers withheld, {right} of them right; accuracy "
                   f"{(counts['right'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
-    results = work / "report" / "results.jsonl"
-    print(paired_test(results, f"learn@{sft_step}"))
+    correct, warm = answers_by_model(work / "report" / "results.jsonl"), f"learn@{sft_step}"
+    final = next((m for m in correct if m.startswith("learn@") and m != warm), None)
+    print(paired_test(correct, final, warm) + " (target < 0.05, final better)")
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line.strip()]
     val = [(row["step"], row["val/reward"], row.get("val/answer_correct")) for row in history if "val/reward" in row]
     print(f"\nvalidation (step, val/reward, val/answer_correct; warm start ends at step {sft_step}): "
@@ -143,26 +120,6 @@ def main() -> None:
     print("wall time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items())
           + f", total {total / 60:.1f} min (target <= 45)")
     print(f"report: {work / 'report' / 'report.html'}")
-
-
-def paired_test(results_path: Path, warm_label: str) -> str:
-    """Exact McNemar test of the final checkpoint against the warm start on the questions both answered."""
-    correct: dict[str, dict] = {}
-    for line in results_path.read_text().splitlines():
-        if line.strip():
-            r = json.loads(line)
-            if not r.get("error"):
-                correct.setdefault(r["model"], {})[r["question_id"]] = bool((r.get("metrics") or {}).get("answer_correct"))
-    final_label = next((m for m in correct if m.startswith("learn@") and m != warm_label), None)
-    if warm_label not in correct or final_label is None:
-        return "\npaired test: no results for both checkpoints"
-    warm, final = correct[warm_label], correct[final_label]
-    both = sorted(warm.keys() & final.keys())
-    only_final = sum(final[q] and not warm[q] for q in both)
-    only_warm = sum(warm[q] and not final[q] for q in both)
-    p = mcnemar_exact(only_final, only_warm)
-    return (f"\nGRPO vs. warm start on the same {len(both)} questions: {final_label} alone right on {only_final}, "
-            f"{warm_label} alone right on {only_warm}; exact McNemar p = {p:.3g} (target < 0.05, final better)")
 
 
 if __name__ == "__main__":

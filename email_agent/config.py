@@ -199,6 +199,7 @@ def summary(cfg: TrainConfig, backend: str, train: int, unanswerable: int, val: 
             f"episodes     up to {cfg.max_turns} turns of {cfg.max_tokens} tokens; {cfg.search_results} results per "
             f"search, emails cut at {cfg.max_body_chars} characters",
             f"warm start   {warm}",
+            "GRPO         none: --sft-only stops after the warm start" if cfg.sft_only else
             f"GRPO         {steps} steps of {cfg.groups_per_step} questions x {cfg.rollouts_per_group} rollouts at "
             f"learning rate {cfg.learning_rate:g}; validation every {cfg.eval_every} steps",
             f"reward       {reward}",

@@ -319,6 +319,19 @@ def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
     assert EpisodeShape.from_run_config({}) == EpisodeShape()
 
 
+def test_the_opening_summary_says_what_the_run_will_do():
+    """Catches the summary announcing GRPO steps that --sft-only will never run (as it did for bench_enron)."""
+    def summary(*flags):
+        cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", *flags]))
+        return "\n".join(config.summary(cfg, "cpu", train=202, unanswerable=0, val=8, steps=6, reward="offline"))
+
+    full = summary()
+    assert "warm start   demo-expert, 1 epoch(s) at learning rate 0.001" in full
+    assert "GRPO         6 steps of 2 questions x 4 rollouts at learning rate 0.0001; validation every 3 steps" in full
+    assert "GRPO         none: --sft-only stops after the warm start" in summary("--sft-only")
+    assert "warm start   none" in summary("--sft-from", "")
+
+
 def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch):
     from email_agent import questions, tracing
 
