@@ -89,9 +89,12 @@ async def evaluate(args) -> int:
         correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
         bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
 
+        turns = evaluation.CPUTurns(contestants, len(questions))
+
         async def one(contestant: evaluation.Contestant, question: Question):
             config = contestant.rollout_config(scoring)
-            traj = await rollout(contestant.policy, question, db, config)
+            async with turns.turn(contestant.label):
+                traj = await rollout(contestant.policy, question, db, config)
             return evaluation.make_record(contestant, question, traj, config)
 
         tasks = [asyncio.ensure_future(one(c, q)) for c in contestants for q in questions]

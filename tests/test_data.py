@@ -11,6 +11,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import types
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -534,6 +535,11 @@ def test_withheld_questions_are_asked_the_day_before_their_answer_arrived(small_
     assert questions.withheld(two_sources, db).query_date == "2001-05-04"  # the earlier of 05-05 and 05-06
     unanswerable = questions.select_questions(db, "train", require_gold=False)[1]
     assert unanswerable.message_ids == ["<missing@x>"] and questions.withheld(unanswerable, db) is None
+
+    class FirstDayOnly:  # gold mail dated on the first day a date can have: there is no day before to ask on
+        def read(self, message_id):
+            return types.SimpleNamespace(date="0001-01-01 09:00:00")
+    assert questions.withheld(one, FirstDayOnly()) is None  # not an OverflowError that stops the run
     assert questions.with_unanswerable([one, two_sources], db, 0.0) == [one, two_sources]
     replayed = questions.with_unanswerable([one, two_sources], db, 0.5)  # one replay per question at most
     assert replayed[:2] == [one, two_sources] and len(replayed) == 4

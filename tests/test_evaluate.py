@@ -52,6 +52,33 @@ def test_report_for_two_scripted_models(demo_db_path, demo_questions, tmp_path, 
     assert "tool_choice required" in output.out
 
 
+def test_cpu_served_models_take_turns_while_others_play_alongside():
+    """Catches CPU-served models sharing the cores at once (three servers on two cores played real-mail episodes
+    at well under half the speed of one), and a turn passed on before its model's last rollout ended."""
+    import asyncio
+    from types import SimpleNamespace
+
+    contestants = [SimpleNamespace(label=label, backend=backend)
+                   for label, backend in [("base", "cpu"), ("o4-mini", "api"), ("demo@7", "cpu")]]
+    events = []
+
+    async def play():
+        turns = evaluation.CPUTurns(contestants, rollouts_each=3)
+
+        async def one(label, i):
+            async with turns.turn(label):
+                events.append(("start", label))
+                await asyncio.sleep(0.01 * (3 - i))  # the first to start ends last
+                events.append(("end", label))
+
+        await asyncio.gather(*(one(c.label, i) for c in contestants for i in range(3)))
+
+    asyncio.run(play())
+    first = [e for e in events if e[1] in ("base", "demo@7")]
+    assert first == [("start", "base")] * 3 + [("end", "base")] * 3 + [("start", "demo@7")] * 3 + [("end", "demo@7")] * 3
+    assert events.index(("start", "o4-mini")) < events.index(("end", "base"))  # prompted models do not wait
+
+
 def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     q = demo_questions[0]
     scripts = {"expert": {q.question: expert_script(q, answer="some paraphrase")},
