@@ -2,6 +2,7 @@
 
     python bench/bench_enron.py                 # the full run (<= 60 minutes on 2 cores)
     python bench/bench_enron.py --quick         # a smoke run of the same pipeline, a few minutes
+    python bench/bench_enron.py --evaluate-only # evaluate the run in --work again (after a change to the evaluation)
 
 Runs the real commands, as bench_learning.py does on the demo inbox: build-db with the Enron sample
 (../shared/data/enron/emails.jsonl.gz) and the real-mail questions (data/enron-questions/questions.jsonl);
@@ -31,6 +32,7 @@ from email_agent.data import EmailDB  # noqa: E402
 from email_agent.expert import Ceiling, expert_episodes  # noqa: E402
 from email_agent.questions import select_questions, training_questions  # noqa: E402
 from email_agent.rollout import RolloutConfig  # noqa: E402
+from email_agent.summary import warm_start_steps  # noqa: E402
 from shared import add_training_flags, answers_by_model, paired_test, print_table, run  # noqa: E402
 
 EMAILS = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
@@ -55,6 +57,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="training seed: validation split, warm-start order, LoRA init, sampling (test questions stay)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
+    parser.add_argument("--evaluate-only", action="store_true",
+                        help="evaluate the run already in --work again (after a change to the evaluation)")
     args = parser.parse_args()
     if args.quick:
         args.test_questions, args.sft_limit, args.sft_epochs, args.rl_steps, args.val_size = 6, 8, 1, 1, 0
@@ -70,18 +74,22 @@ def main() -> None:
              "--cpu-train-threads", str(args.cpu_train_threads), "--seed", str(args.seed), "--backend", "cpu"]
     times = {}
     started = time.perf_counter()
-    times["build"] = run("build", "train_email_search_agent.py", "build-db", "--emails", str(args.emails),
-                         "--questions", str(args.questions), "--db", str(db_path), "--overwrite", "--quiet")
+    if not args.evaluate_only:
+        times["build"] = run("build", "train_email_search_agent.py", "build-db", "--emails", str(args.emails),
+                             "--questions", str(args.questions), "--db", str(db_path), "--overwrite", "--quiet")
     clock = time.perf_counter()
     ceilings = expert_ceilings(db_path, args)
     times["expert"] = time.perf_counter() - clock
-    times["sft"] = run("warm start", *train, "--fresh", "--sft-only")
     run_dir = art_dir / "email-agent" / "models" / "enron"
-    sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
-    times["rl"] = run("GRPO", *train, "--groups-per-step", str(args.groups_per_step), "--rollouts-per-group", "4",
-                      "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", "0.5",
-                      "--temperature", "0.7", "--eval-every", "3", "--concurrency", str(args.concurrency),
-                      "--max-steps", str(args.rl_steps))
+    if not args.evaluate_only:
+        times["sft"] = run("warm start", *train, "--fresh", "--sft-only")
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line.strip()]
+    sft_step = max(warm_start_steps(history))  # the warm start's last checkpoint
+    if not args.evaluate_only:
+        times["rl"] = run("GRPO", *train, "--groups-per-step", str(args.groups_per_step), "--rollouts-per-group", "4",
+                          "--learning-rate", str(args.rl_learning_rate), "--advantage-balance", "0.5",
+                          "--temperature", "0.7", "--eval-every", "3", "--concurrency", str(args.concurrency),
+                          "--max-steps", str(args.rl_steps))
     warm, final = f"enron@{sft_step}", "enron@latest"
     times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db_path), "--art-dir", str(art_dir),
                             "--model", "base", "--model", warm, "--model", final, "--limit", str(args.test_questions),
