@@ -89,11 +89,11 @@ async def evaluate(args) -> int:
         correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
         bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
 
-        turns = evaluation.CPUTurns(contestants, len(questions))
+        schedule = evaluation.Schedule(contestants, len(questions), args.concurrency)
 
         async def one(contestant: evaluation.Contestant, question: Question):
             config = contestant.rollout_config(scoring)
-            async with turns.turn(contestant.label):
+            async with schedule.turn(contestant.label):
                 traj = await rollout(contestant.policy, question, db, config)
             return evaluation.make_record(contestant, question, traj, config)
 

@@ -122,14 +122,17 @@ def check_specs(specs: list[str], art_dir: str) -> None:
             labels[label] = spec
 
 
-class CPUTurns:
-    """Models served on this machine's CPU play one after another, each with its whole batch, while GPU, remote
-    and prompted models play alongside. Three CPU servers sharing two cores decoded real-mail episodes at well
-    under half the rate of one (bench_enron: 19 of 360 rollouts in 12.5 minutes, where one server played 8 in
-    about 50 s during training), and each holds its own growing key/value cache meanwhile."""
+class Schedule:
+    """Who plays when. Each model plays at most `concurrency` episodes at once, each from its first turn to its
+    last. (Started all together, a model's episodes queue their requests turn by turn, none ends until nearly all
+    have played every turn, and the CPU server's prefix cache, too small for them all, misses: bench_enron's
+    evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU also take
+    turns, one after another, while GPU, remote and prompted models play alongside: three CPU servers on two
+    cores are slower than one, and each holds its own key/value caches meanwhile."""
 
-    def __init__(self, contestants: list[Contestant], rollouts_each: int) -> None:
+    def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int) -> None:
         cpu = [c.label for c in contestants if c.backend == "cpu"]
+        self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in contestants}
         self._go = {label: asyncio.Event() for label in cpu}
         self._next = dict(zip(cpu, cpu[1:]))
         self._left = dict.fromkeys(cpu, rollouts_each)
@@ -138,18 +141,19 @@ class CPUTurns:
 
     @contextlib.asynccontextmanager
     async def turn(self, label: str):
-        """Hold one rollout of `label` until its model's turn; the last of them to end passes the turn on."""
+        """Hold one episode of `label` until its model's turn and a free lane; the last of a CPU model's episodes
+        to end passes the turn on."""
         go = self._go.get(label)
-        if go is None:
-            yield
-            return
-        await go.wait()
+        if go is not None:
+            await go.wait()
         try:
-            yield
+            async with self._lanes[label]:
+                yield
         finally:
-            self._left[label] -= 1
-            if not self._left[label] and label in self._next:
-                self._go[self._next[label]].set()
+            if go is not None:
+                self._left[label] -= 1
+                if not self._left[label] and label in self._next:
+                    self._go[self._next[label]].set()
 
 
 async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncExitStack,

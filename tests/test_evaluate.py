@@ -52,30 +52,35 @@ def test_report_for_two_scripted_models(demo_db_path, demo_questions, tmp_path, 
     assert "tool_choice required" in output.out
 
 
-def test_cpu_served_models_take_turns_while_others_play_alongside():
-    """Catches CPU-served models sharing the cores at once (three servers on two cores played real-mail episodes
-    at well under half the speed of one), and a turn passed on before its model's last rollout ended."""
+def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns():
+    """Catches episodes all started at once (none ends until nearly all have played every turn, and the CPU
+    server's prefix cache misses: no real-mail episode of 360 ended in ten minutes), CPU-served models sharing the
+    cores at once, and a turn passed on before its model's last episode ended."""
     import asyncio
     from types import SimpleNamespace
 
     contestants = [SimpleNamespace(label=label, backend=backend)
                    for label, backend in [("base", "cpu"), ("o4-mini", "api"), ("demo@7", "cpu")]]
-    events = []
+    events, playing, most = [], dict.fromkeys(["base", "o4-mini", "demo@7"], 0), {}
 
     async def play():
-        turns = evaluation.CPUTurns(contestants, rollouts_each=3)
+        schedule = evaluation.Schedule(contestants, rollouts_each=5, concurrency=2)
 
         async def one(label, i):
-            async with turns.turn(label):
+            async with schedule.turn(label):
+                playing[label] += 1
+                most[label] = max(most.get(label, 0), playing[label])
                 events.append(("start", label))
-                await asyncio.sleep(0.01 * (3 - i))  # the first to start ends last
+                await asyncio.sleep(0.01 * (5 - i))  # the first to start ends last
                 events.append(("end", label))
+                playing[label] -= 1
 
-        await asyncio.gather(*(one(c.label, i) for c in contestants for i in range(3)))
+        await asyncio.gather(*(one(c.label, i) for c in contestants for i in range(5)))
 
     asyncio.run(play())
-    first = [e for e in events if e[1] in ("base", "demo@7")]
-    assert first == [("start", "base")] * 3 + [("end", "base")] * 3 + [("start", "demo@7")] * 3 + [("end", "demo@7")] * 3
+    assert most == {"base": 2, "o4-mini": 2, "demo@7": 2}  # never more than the concurrency, per model
+    cpu = [e for e in events if e[1] in ("base", "demo@7")]
+    assert cpu.index(("start", "demo@7")) == 10  # demo@7 starts once base's 5 episodes have all ended
     assert events.index(("start", "o4-mini")) < events.index(("end", "base"))  # prompted models do not wait
 
 
