@@ -126,23 +126,25 @@ class Schedule:
     """Who plays when. Each model plays at most `concurrency` episodes at once, each from its first turn to its
     last. (Started all together, a model's episodes queue their requests turn by turn, none ends until nearly all
     have played every turn, and the CPU server's prefix cache, too small for them all, misses: bench_enron's
-    evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU also take
-    turns, one after another, while GPU, remote and prompted models play alongside: three CPU servers on two
-    cores are slower than one, and each holds its own key/value caches meanwhile."""
+    evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU play
+    `cpu_at_once` at a time (default: one per core, as each server decodes on one thread), the next starting when
+    one has played all its episodes; GPU, remote and prompted models play alongside. (Three CPU servers on two
+    cores ran slower than one, each holding its own key/value caches; one at a time left a core idle.)"""
 
-    def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int) -> None:
+    def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int,
+                 cpu_at_once: int | None = None) -> None:
         cpu = [c.label for c in contestants if c.backend == "cpu"]
         self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in contestants}
         self._go = {label: asyncio.Event() for label in cpu}
-        self._next = dict(zip(cpu, cpu[1:]))
+        self._waiting = cpu[max(1, cpu_at_once or os.cpu_count() or 1):]
         self._left = dict.fromkeys(cpu, rollouts_each)
-        if cpu:
-            self._go[cpu[0]].set()
+        for label in cpu[:len(cpu) - len(self._waiting)]:
+            self._go[label].set()
 
     @contextlib.asynccontextmanager
     async def turn(self, label: str):
         """Hold one episode of `label` until its model's turn and a free lane; the last of a CPU model's episodes
-        to end passes the turn on."""
+        to end lets the next waiting CPU model start."""
         go = self._go.get(label)
         if go is not None:
             await go.wait()
@@ -152,8 +154,8 @@ class Schedule:
         finally:
             if go is not None:
                 self._left[label] -= 1
-                if not self._left[label] and label in self._next:
-                    self._go[self._next[label]].set()
+                if not self._left[label] and self._waiting:
+                    self._go[self._waiting.pop(0)].set()
 
 
 async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncExitStack,

@@ -54,33 +54,35 @@ def test_report_for_two_scripted_models(demo_db_path, demo_questions, tmp_path, 
 
 def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns():
     """Catches episodes all started at once (none ends until nearly all have played every turn, and the CPU
-    server's prefix cache misses: no real-mail episode of 360 ended in ten minutes), CPU-served models sharing the
-    cores at once, and a turn passed on before its model's last episode ended."""
+    server's prefix cache misses: no real-mail episode of 360 ended in ten minutes), more CPU-served models
+    sharing the cores at once than `cpu_at_once`, and a turn passed on before its model's last episode ended."""
     import asyncio
     from types import SimpleNamespace
 
-    contestants = [SimpleNamespace(label=label, backend=backend)
-                   for label, backend in [("base", "cpu"), ("o4-mini", "api"), ("demo@7", "cpu")]]
-    events, playing, most = [], dict.fromkeys(["base", "o4-mini", "demo@7"], 0), {}
+    labels = [("base", "cpu"), ("o4-mini", "api"), ("demo@1", "cpu"), ("demo@7", "cpu")]
+    contestants = [SimpleNamespace(label=label, backend=backend) for label, backend in labels]
+    events, playing, most = [], dict.fromkeys(dict(labels), 0), {}
 
     async def play():
-        schedule = evaluation.Schedule(contestants, rollouts_each=5, concurrency=2)
+        schedule = evaluation.Schedule(contestants, rollouts_each=5, concurrency=2, cpu_at_once=2)
 
         async def one(label, i):
             async with schedule.turn(label):
                 playing[label] += 1
                 most[label] = max(most.get(label, 0), playing[label])
                 events.append(("start", label))
-                await asyncio.sleep(0.01 * (5 - i))  # the first to start ends last
+                await asyncio.sleep(0.01 * (5 - i) * (2 if label == "base" else 1))  # the first to start ends last
                 events.append(("end", label))
                 playing[label] -= 1
 
         await asyncio.gather(*(one(c.label, i) for c in contestants for i in range(5)))
 
     asyncio.run(play())
-    assert most == {"base": 2, "o4-mini": 2, "demo@7": 2}  # never more than the concurrency, per model
-    cpu = [e for e in events if e[1] in ("base", "demo@7")]
-    assert cpu.index(("start", "demo@7")) == 10  # demo@7 starts once base's 5 episodes have all ended
+    assert most == dict.fromkeys(dict(labels), 2)  # never more than the concurrency, per model
+    cpu = [e for e in events if e[1] != "o4-mini"]
+    assert cpu[:4] == [("start", "base")] * 2 + [("start", "demo@1")] * 2  # two CPU models at once, in order
+    last_of_demo1 = len(cpu) - 1 - cpu[::-1].index(("end", "demo@1"))
+    assert cpu.index(("start", "demo@7")) == last_of_demo1 + 1  # demo@7 waits for the first model to finish
     assert events.index(("start", "o4-mini")) < events.index(("end", "base"))  # prompted models do not wait
 
 
