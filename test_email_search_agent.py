@@ -40,13 +40,19 @@ async def evaluate(args) -> int:
                                         args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
     report.check_output(out)
+
+    def done(records: list[dict], histories: dict, labels: list[str] = ()) -> int:
+        code = finish(out, records, histories, labels)
+        args.written = out  # a Ctrl-C while the servers close says where the report is, not "nothing written"
+        return code
+
     if scoring.judge:
         await scoring.judge.probe()
     if args.rejudge:
         records = await evaluation.rejudge_folder(Path(args.rejudge), scoring, args.grounded_answers)
         report.keep_previous(out)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        return finish(out, records, {})
+        return done(records, {})
 
     if args.demo and not Path(args.db).exists():
         raise DataError(f"No demo database at {args.db}; build it with `python train_email_search_agent.py build-db --demo`.")
@@ -121,17 +127,17 @@ async def evaluate(args) -> int:
                 print("\ninterrupted before any rollout finished: nothing written", file=sys.stderr)
                 return 130
             print(f"\ninterrupted: writing the {len(records)} finished rollouts", file=sys.stderr)
-            finish(out, records, histories, [c.label for c in contestants])
+            done(records, histories, [c.label for c in contestants])
             return 130
         except Exception:  # a bug, not a model's failure (those are recorded): keep what finished, then raise
             for task in tasks:
                 task.cancel()
             if records:
-                finish(out, records, histories, [c.label for c in contestants])
+                done(records, histories, [c.label for c in contestants])
             raise
         finally:
             bar.close()
-    return finish(out, records, histories, [c.label for c in contestants])
+        return done(records, histories, [c.label for c in contestants])  # before the servers close
 
 
 def finish(out: Path, records: list[dict], histories: dict, labels: list[str] = ()) -> int:
@@ -213,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(evaluate(args))
 
     # interrupted before the rollouts began (serving, probing) or during --rejudge: evaluate() handles the rest
-    return cli.run_command(command, argv, interrupted="\ninterrupted: nothing written")
+    return cli.run_command(command, argv, interrupted=lambda: f"\ninterrupted: the report is in {args.written}"
+                           if getattr(args, "written", None) else "\ninterrupted: nothing written")
 
 
 if __name__ == "__main__":

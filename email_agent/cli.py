@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 PLAIN_PROGRESS_S = 30  # seconds between progress lines when stderr is a file or a CI log
 
@@ -171,11 +172,11 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def run_command(command, argv: list[str] | None, *, interrupted: str = "interrupted",
+def run_command(command, argv: list[str] | None, *, interrupted: str | Callable[[], str] = "interrupted",
                 run_folder=lambda: None) -> int:
     """Run a subcommand as every command of both scripts ends: a one-sentence error and exit code 1 for a bad
     input, a damaged database or a full or read-only disk (`run_folder()`: the run being written, if any); 130
-    after Ctrl-C or SIGTERM with `interrupted` said; anything else is a bug and raises."""
+    after Ctrl-C or SIGTERM with `interrupted` (or what it returns) said; anything else is a bug and raises."""
     import sqlite3
 
     from .data import DataError
@@ -191,7 +192,7 @@ def run_command(command, argv: list[str] | None, *, interrupted: str = "interrup
         print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",
               file=sys.stderr)
     except KeyboardInterrupt:
-        print(interrupted, file=sys.stderr)
+        print(interrupted() if callable(interrupted) else interrupted, file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()

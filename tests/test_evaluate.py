@@ -81,8 +81,10 @@ def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns
     assert most == dict.fromkeys(dict(labels), 2)  # never more than the concurrency, per model
     cpu = [e for e in events if e[1] != "o4-mini"]
     assert cpu[:4] == [("start", "base")] * 2 + [("start", "demo@1")] * 2  # two CPU models at once, in order
-    last_of_demo1 = len(cpu) - 1 - cpu[::-1].index(("end", "demo@1"))
-    assert cpu.index(("start", "demo@7")) == last_of_demo1 + 1  # demo@7 waits for the first model to finish
+    demo = [e for e in events if e[1] in ("demo@1", "demo@7")]
+    assert demo.index(("start", "demo@7")) == 10  # demo@7 waits for the first model to finish all five
+    last_of_base = len(cpu) - 1 - cpu[::-1].index(("end", "base"))
+    assert cpu.index(("start", "demo@7")) < last_of_base  # ... not for base, which ends later
     assert events.index(("start", "o4-mini")) < events.index(("end", "base"))  # prompted models do not wait
 
 
@@ -613,3 +615,30 @@ def test_rejudge_of_a_folder_without_results_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "empty" / "results.jsonl").write_text("")
     assert run_cli("--rejudge", tmp_path / "empty", "--output", tmp_path / "out") == 1
     assert "holds no results to re-score" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_ctrl_c_while_the_servers_close_says_where_the_report_is(demo_db_path, demo_questions, tmp_path):
+    """Catches "interrupted: nothing written" said after the report was written (a second Ctrl-C while the
+    models' servers shut down)."""
+    out = tmp_path / "out"
+    # the evaluation as a user runs it, with a Ctrl-C arriving once the servers' shutdown has begun
+    script = f"""
+import asyncio, contextlib, os, signal, sys
+sys.path.insert(0, {str(ROOT)!r})
+import test_email_search_agent
+real_exit = contextlib.AsyncExitStack.__aexit__
+async def interrupted_exit(self, *exc):
+    await real_exit(self, *exc)
+    if os.path.exists({str(out / "report.html")!r}):
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.sleep(10)
+contextlib.AsyncExitStack.__aexit__ = interrupted_exit
+sys.exit(test_email_search_agent.main(sys.argv[1:]))
+"""
+    q = demo_questions[0]
+    with serve_in_thread({q.question: expert_script(q)}) as server:
+        proc = subprocess.run([sys.executable, "-c", script, "--db", str(demo_db_path), "--model", "hosted_vllm/x",
+                               "--base-url", server.base_url, "--limit", "1", "--output", str(out),
+                               "--art-dir", str(tmp_path / "art")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert f"interrupted: the report is in {out}" in proc.stderr and "Traceback" not in proc.stderr
