@@ -136,10 +136,11 @@ class Schedule:
         cpu = [c.label for c in contestants if c.backend == "cpu"]
         self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in contestants}
         self._go = {label: asyncio.Event() for label in cpu}
-        self._waiting = cpu[max(1, cpu_at_once or os.cpu_count() or 1):]
-        self._left = dict.fromkeys(cpu, rollouts_each)
-        for label in cpu[:len(cpu) - len(self._waiting)]:
+        at_once = max(1, cpu_at_once or os.cpu_count() or 1)
+        for label in cpu[:at_once]:
             self._go[label].set()
+        self._waiting = cpu[at_once:]
+        self._left = dict.fromkeys(cpu, rollouts_each)
 
     @contextlib.asynccontextmanager
     async def turn(self, label: str):
