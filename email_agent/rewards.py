@@ -297,7 +297,7 @@ class JudgeFailed(Exception):
     """The judge gave no usable verdict (its message is safe to show: secrets redacted). `transient`: the
     failure may pass if one waits (`may_pass`)."""
 
-    def __init__(self, message: str, transient: bool = False):
+    def __init__(self, message: str, transient: bool):
         super().__init__(message)
         self.transient = transient
 

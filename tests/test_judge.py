@@ -4,6 +4,7 @@ line a killed run cut off."""
 
 import asyncio
 import json
+import re
 
 import pytest
 from openai import AsyncOpenAI
@@ -94,3 +95,85 @@ def test_judge_failures_are_transient_or_not():
     assert all(rewards.may_pass(Status(s)) for s in (408, 429, 500, 502, 503))
     assert not any(rewards.may_pass(Status(s)) for s in (400, 401, 403, 404))
     assert not rewards.may_pass(ValueError("judge reply has no JSON"))  # a reply that never parses
+
+
+def ask_judge(replies, question, gold, answers, retries=3):
+    """`answers` graded in turn by one LLMJudge against a scripted judge that gives `replies`, one per request:
+    (verdicts, the judge's requests)."""
+    from scripted_server import serve_in_thread
+
+    script = lambda body, seen=[]: replies[min(len(seen.append(body) or seen), len(replies)) - 1]  # noqa: E731
+    with serve_in_thread({"judge": {"*": script}}) as server:
+        judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=retries)
+        verdicts = [asyncio.run(judge.verdict(question, gold, answer)) for answer in answers]
+        return verdicts, server.requests
+
+
+def test_the_judge_sees_the_question_the_reference_and_the_answer_and_decides_once():
+    """Catches: a request without the grading instructions as its system message, or with the question, the gold
+    answer or the agent's answer left out; a sampled (temperature > 0) or unbounded verdict; a verdict cached
+    as nothing (the second ask of the same answer must come from the cache); and "I don't know" sent to the
+    judge at all (it is never right, whatever a judge says)."""
+    verdicts, requests = ask_judge([ACCEPT], "Which room?", "Room 3C", ["It is room 3C.", "It is room 3C.",
+                                                                        "I don't know"])
+    assert [(v.correct, v.judge, v.reasoning) for v in verdicts] == [
+        (True, "openai/judge", "same facts"), (True, "openai/judge", "same facts"),
+        (False, "openai/judge", "answered I don't know")]
+    assert len(requests) == 1
+    assert requests[0]["messages"] == [
+        {"role": "system", "content": rewards.JUDGE_PROMPT},
+        {"role": "user", "content": "Question: Which room?\nReference answer: Room 3C\nAI answer: It is room 3C."}]
+    assert requests[0]["temperature"] == 0 and requests[0]["max_tokens"] == 300
+
+
+def test_a_judge_that_fails_leaves_the_offline_matchers_verdict_flagged():
+    """Catches: the fallback grading without the question (here the answer "21" is right only because "FTEs"
+    restates the question) or without its reasons."""
+    question, gold = "How many FTEs were approved?", "21 FTEs"
+    (verdict,), requests = ask_judge([{"status": 401}], question, gold, ["21"])
+    offline = rewards.offline_verdict("21", gold, question)
+    assert offline.correct and len(requests) == 1  # a wrong key is not retried
+    assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", offline.reasoning)
+    assert verdict.error.startswith("judge openai/judge failed after 1 try (AuthenticationError")
+    assert verdict.transient is False
+
+
+def test_a_judge_that_is_rate_limited_backs_off_exponentially_up_to_10_s(monkeypatch):
+    """Catches: retries without waiting (a rate-limited judge hammered), or waits that grow otherwise than 0.5 s,
+    1 s, 2 s ... capped at 10 s. The waits are recorded, not slept."""
+    import tenacity.asyncio  # noqa: F401  (sleeps through asyncio.sleep, looked up at each wait)
+
+    waits, real_sleep = [], asyncio.sleep
+    monkeypatch.setattr(asyncio, "sleep", lambda seconds: waits.append(seconds) or real_sleep(0))
+    (verdict,), requests = ask_judge([{"status": 429}], "Which room?", "Room 3C", ["Room 3C"], retries=7)
+    assert len(requests) == 7 and verdict.transient is True
+    assert [w for w in waits if w] == [0.5, 1, 2, 4, 8, 10]
+
+
+@pytest.mark.parametrize("text, correct, reasoning", [
+    ('{\n  "reasoning": "same room",\n  "accept": true\n}', True, "same room"),  # pretty-printed over lines
+    ('Verdict: {"accept": false}', False, ""),  # no reasoning given
+    (json.dumps({"reasoning": "x" * 900, "accept": True}), True, "x" * 500),  # a rambling reason, cut
+])
+def test_judge_replies_that_parse(text, correct, reasoning):
+    verdict = rewards.parse_judge_reply(text, "openai/judge")
+    assert (verdict.correct, verdict.judge, verdict.reasoning) == (correct, "openai/judge", reasoning)
+
+
+@pytest.mark.parametrize("text, says", [("They match.", "judge reply has no JSON: 'They match.'"),
+                                         ('{"accept": "yes"}', "judge reply has no boolean 'accept'")])
+def test_judge_replies_that_do_not_parse_say_why(text, says):
+    """Catches: an error without its reason (it is what the report shows for a judge that answers in prose)."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        rewards.parse_judge_reply(text, "openai/judge")
+
+
+def test_a_failing_judge_prints_no_litellm_banner(monkeypatch, capfd):
+    """Catches: litellm's "Give Feedback / Get Help" banner printed for each failed verdict (the failure is
+    recorded on the verdict and reported by the caller)."""
+    import litellm
+
+    monkeypatch.setattr(litellm, "suppress_debug_info", False)
+    (verdict,), _ = ask_judge([{"status": 401}], "Which room?", "Room 3C", ["Room 3C"])
+    out = capfd.readouterr()
+    assert verdict.error and "Give Feedback" not in out.out + out.err and "LiteLLM" not in out.out + out.err

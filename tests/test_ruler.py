@@ -93,6 +93,7 @@ def test_incomplete_reply_is_retried(group):
     scores((1, 0.9), (1, 0.8), (2, 0.1)),  # a trajectory scored twice, one not at all
     {"text": "I cannot grade these."},  # no JSON
     {"status": 500},
+    scores((1, 0.9), (2, 0.4), ("trajectory 3 or 1", 0.1)),  # an id naming two: not taken as either
 ])
 def test_failed_judge_is_recorded_not_zeroed_silently(group, reply):
     scored, server = judge(group, [reply])
@@ -124,3 +125,15 @@ def test_a_ruler_judge_that_never_scores_stops_the_loop_before_it_trains(demo_db
                  reward="ruler", ruler_model="openai/judge", judge_base_url=lambda url: url)
     history = tmp_path / "email-agent/models/h/history.jsonl"
     assert not history.exists() or "data/step_trainer_tokens" not in history.read_text()
+
+
+def test_a_failing_ruler_judge_prints_no_litellm_banner(group, monkeypatch, capfd):
+    """Catches: litellm's "Give Feedback / Get Help" banner printed for each failed RULER call (the failure is
+    recorded on the group, and the train loop reports it)."""
+    import litellm
+
+    monkeypatch.setattr(litellm, "suppress_debug_info", False)
+    scored, server = judge(group, [{"status": 401}])
+    out = capfd.readouterr()
+    assert scored.trajectories[0].metrics["ruler_error"] == 1 and len(server.requests) == 2
+    assert "Give Feedback" not in out.out + out.err and "LiteLLM" not in out.out + out.err
