@@ -194,7 +194,8 @@ def test_a_judge_that_cannot_run_stops_the_evaluation_before_any_rollout(demo_db
                        "--output", tmp_path / "eval", "--art-dir", tmp_path / "art") == 1
         assert [r["model"] for r in server.requests] == ["judge"]  # the probe, and no rollout
     err = capsys.readouterr().err
-    assert "judge openai/judge failed after 1 try (AuthenticationError" in err and "JUDGE_API_KEY" in err
+    assert "judge openai/judge failed after 1 try (AuthenticationError" in err
+    assert "(JUDGE_API_KEY, or the provider's own variable such as OPENAI_API_KEY)" in err
     assert "Traceback" not in err and not (tmp_path / "eval").exists()
 
 

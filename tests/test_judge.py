@@ -86,6 +86,16 @@ def test_the_judge_cache_survives_a_torn_line(demo_db, q, tmp_path):
     assert [json.loads(line)["verdict"]["correct"] for line in lines] == [True, False]  # the torn line is gone
 
 
+def test_a_cache_line_that_does_not_parse_loses_only_itself(tmp_path):
+    """Catches: reading the cache stopping at the first bad line (an older run's torn line, glued to the verdict
+    after it), which would drop every verdict written after it."""
+    cache = tmp_path / "judge_cache.jsonl"
+    ask_judge([ACCEPT], "Which room?", "Room 3C", ["It is room 3C."], cache_path=cache)
+    cache.write_text('{"key": "abc", "verdict": {"correct": tr{"key": "def"}\n' + cache.read_text())
+    (verdict,), requests = ask_judge([REJECT], "Which room?", "Room 3C", ["It is room 3C."], cache_path=cache)
+    assert requests == [] and verdict.correct
+
+
 def test_judge_failures_are_transient_or_not():
     """What decides whether a training step waits for the judge (judging.settle) or stops at once."""
     class Status(Exception):
@@ -97,14 +107,14 @@ def test_judge_failures_are_transient_or_not():
     assert not rewards.may_pass(ValueError("judge reply has no JSON"))  # a reply that never parses
 
 
-def ask_judge(replies, question, gold, answers, retries=3):
+def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):
     """`answers` graded in turn by one LLMJudge against a scripted judge that gives `replies`, one per request:
     (verdicts, the judge's requests)."""
     from scripted_server import serve_in_thread
 
     script = lambda body, seen=[]: replies[min(len(seen.append(body) or seen), len(replies)) - 1]  # noqa: E731
     with serve_in_thread({"judge": {"*": script}}) as server:
-        judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=retries)
+        judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=retries, cache_path=cache_path)
         verdicts = [asyncio.run(judge.verdict(question, gold, answer)) for answer in answers]
         return verdicts, server.requests
 
