@@ -56,9 +56,12 @@ def group(demo_db):
 
 
 def judge(group_trajs, replies, use_art=False):
+    """`group_trajs` (copies of them, or the group itself if it is an art.TrajectoryGroup) scored by RULER against
+    a scripted judge: (the group, the judge server)."""
     async def go():
         async with ScriptedJudge(replies) as server:
-            fresh = art.TrajectoryGroup([t.model_copy(deep=True) for t in group_trajs])
+            fresh = group_trajs if isinstance(group_trajs, art.TrajectoryGroup) else \
+                art.TrajectoryGroup([t.model_copy(deep=True) for t in group_trajs])
             params = {"api_base": server.base_url, "api_key": "none"}
             if use_art:
                 from art.rewards import ruler_score_group
@@ -125,6 +128,17 @@ def test_a_ruler_judge_that_never_scores_stops_the_loop_before_it_trains(demo_db
                  reward="ruler", ruler_model="openai/judge", judge_base_url=lambda url: url)
     history = tmp_path / "email-agent/models/h/history.jsonl"
     assert not history.exists() or "data/step_trainer_tokens" not in history.read_text()
+
+
+def test_a_group_scored_again_after_a_failure_keeps_its_own_rewards(group):
+    """Catches: the second try at a group RULER failed on (the train loop tries again) taking the failure's 0s
+    as the trajectories' own rewards."""
+    failed, _ = judge(group, [{"text": "I cannot grade these."}])
+    assert [t.reward for t in failed.trajectories] == [0.0, 0.0, 0.0]
+    scored, _ = judge(failed, [scores((1, 0.9), (2, 0.4), (3, 0.1))])
+    assert [t.metrics["independent_reward"] for t in scored.trajectories] == [t.reward for t in group]
+    assert [t.reward for t in scored.trajectories] == [0.9, 0.4, 0.1]
+    assert not any("ruler_error" in t.metadata for t in scored.trajectories)
 
 
 def test_a_failing_ruler_judge_prints_no_litellm_banner(group, monkeypatch, capfd):
