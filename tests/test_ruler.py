@@ -80,6 +80,9 @@ def test_scores_are_matched_by_id_not_position(group):
     assert [t.metrics["independent_reward"] for t in scored.trajectories] == [t.reward for t in group]
     assert all(t.metrics["ruler_error"] == 0 for t in scored.trajectories) and len(server.requests) == 1
     assert server.requests[0]["response_format"]["type"] == "json_schema"  # RULER's structured reply
+    # the judge is shown the agent's tools, so it can tell a valid call from an invented one
+    tools = server.requests[0]["messages"][-1]["content"].split("<available_tools>")[1].split("</available_tools>")[0]
+    assert [t["function"]["name"] for t in json.loads(tools)] == ["search_inbox", "read_email", "return_final_answer"]
     # why: ART 0.5.18's ruler_score_group pairs by position and gives the expert's score to the I-don't-know
     art_scored, _ = judge(group, [reply], use_art=True)
     assert [t.reward for t in art_scored.trajectories] == [0.1, 0.9, 0.4]
@@ -91,19 +94,23 @@ def test_incomplete_reply_is_retried(group):
     assert [t.reward for t in scored.trajectories] == [0.8, 0.5, 0.0]
 
 
-@pytest.mark.parametrize("reply", [
-    {"text": json.dumps({"scores": []})},  # no scores
-    scores((1, 0.9), (1, 0.8), (2, 0.1)),  # a trajectory scored twice, one not at all
-    {"text": "I cannot grade these."},  # no JSON
-    {"status": 500},
-    scores((1, 0.9), (2, 0.4), ("trajectory 3 or 1", 0.1)),  # an id naming two: not taken as either
+@pytest.mark.parametrize("reply, says", [
+    ({"text": json.dumps({"scores": []})}, "ValueError: Expected 3 scores, but got 0"),
+    (scores((1, 0.9), (1, 0.8), (2, 0.1)), "judge scored trajectories ['1', '1', '2'], not each of"),  # 1 twice, 3 never
+    ({"text": "I cannot grade these."}, "I cannot grade these."),  # no JSON
+    ({"status": 500}, "InternalServerError: litellm.InternalServerError"),
+    (scores((1, 0.9), (2, 0.4), ("trajectory 3 or 1", 0.1)), "'trajectory 3 or 1'"),  # an id naming two: neither
 ])
-def test_failed_judge_is_recorded_not_zeroed_silently(group, reply):
+def test_failed_judge_is_recorded_not_zeroed_silently(group, reply, says):
+    """Catches: a failed group trained on (or zeroed without a mark), its own rewards lost, or a mark that does
+    not say what the judge did."""
     scored, server = judge(group, [reply])
     assert len(server.requests) == (6 if "status" in reply else 2)  # one retry (of the client's 3 tries on a 5xx)
     trajs = scored.trajectories
     assert all(t.metrics["ruler_error"] == 1 and t.reward == 0.0 for t in trajs)  # equal rewards: GRPO skips it
+    assert [t.metrics["independent_reward"] for t in trajs] == [t.reward for t in group]
     assert all(t.metadata["ruler_error"].startswith("RULER judge openai/judge:") for t in trajs)
+    assert says in trajs[0].metadata["ruler_error"]
     h = preflight.measure([scored])
     assert (h.ruler_errors, h.trainable_groups) == (1, 0)
     verdict = preflight.diagnose(h, reward_mode="ruler")
