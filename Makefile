@@ -38,7 +38,7 @@ bench: setup
 # pyproject.toml; work copy in mutants/). Not CI's: it takes hours. Survivors: `mutmut results`, `mutmut show NAME`.
 mutants: setup
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	nice -n 19 $(VENV)/bin/mutmut run
+	nice -n 19 $(VENV)/bin/mutmut run --max-children $$(( 2 * $$(nproc) ))  # twice the cores: a hung mutant idles its worker
 	$(VENV)/bin/mutmut results
 
 # One CUDA GPU: ART's LocalBackend (unsloth + vLLM). Not CI's: no GPU there.

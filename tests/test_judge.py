@@ -65,6 +65,8 @@ def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
     assert judge.litellm_params() == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret",
                                       "timeout": 60.0}
     assert "judge-secret" not in repr(judge)
+    # RULER without an answer judge sends its requests to the same endpoint, with the same key
+    assert rewards.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
     # a flag wins over the environment
     assert rewards.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
 
@@ -145,6 +147,7 @@ def test_a_judge_that_fails_leaves_the_offline_matchers_verdict_flagged():
     assert offline.correct and len(requests) == 1  # a wrong key is not retried
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", offline.reasoning)
     assert verdict.error.startswith("judge openai/judge failed after 1 try (AuthenticationError")
+    assert "scripted failure" in verdict.error  # what the judge's server said
     assert verdict.transient is False
 
 

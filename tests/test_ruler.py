@@ -79,6 +79,7 @@ def test_scores_are_matched_by_id_not_position(group):
     assert [t.metrics["ruler_score"] for t in scored.trajectories] == [0.9, 0.4, 0.1]
     assert [t.metrics["independent_reward"] for t in scored.trajectories] == [t.reward for t in group]
     assert all(t.metrics["ruler_error"] == 0 for t in scored.trajectories) and len(server.requests) == 1
+    assert [t.logs[-1] for t in scored.trajectories] == [f"RULER explanation: t{i}" for i in ("trajectory 1", 2, 3)]
     assert server.requests[0]["response_format"]["type"] == "json_schema"  # RULER's structured reply
     # the judge is shown the agent's tools, so it can tell a valid call from an invented one
     tools = server.requests[0]["messages"][-1]["content"].split("<available_tools>")[1].split("</available_tools>")[0]
@@ -145,7 +146,7 @@ def test_a_group_scored_again_after_a_failure_keeps_its_own_rewards(group):
     scored, _ = judge(failed, [scores((1, 0.9), (2, 0.4), (3, 0.1))])
     assert [t.metrics["independent_reward"] for t in scored.trajectories] == [t.reward for t in group]
     assert [t.reward for t in scored.trajectories] == [0.9, 0.4, 0.1]
-    assert not any("ruler_error" in t.metadata for t in scored.trajectories)
+    assert not any("ruler_error" in t.metadata or "judge_transient" in t.metadata for t in scored.trajectories)
 
 
 def test_a_failing_ruler_judge_prints_no_litellm_banner(group, monkeypatch, capfd):
