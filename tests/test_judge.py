@@ -67,6 +67,7 @@ def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
     assert "judge-secret" not in repr(judge)
     # RULER without an answer judge sends its requests to the same endpoint, with the same key
     assert rewards.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
+    assert rewards.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"
     # a flag wins over the environment
     assert rewards.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
 
@@ -104,9 +105,28 @@ def test_judge_failures_are_transient_or_not():
         def __init__(self, status):
             self.status_code = status
 
-    assert all(rewards.may_pass(Status(s)) for s in (408, 429, 500, 502, 503))
-    assert not any(rewards.may_pass(Status(s)) for s in (400, 401, 403, 404))
-    assert not rewards.may_pass(ValueError("judge reply has no JSON"))  # a reply that never parses
+    assert all(rewards.may_pass(Status(s)) for s in (408, 409, 429, 500, 502, 503))
+    assert not any(rewards.may_pass(Status(s)) for s in (400, 401, 403, 404, 410))
+    assert not rewards.may_pass(RuntimeError("no status at all"))
+    assert rewards.is_transient(ValueError("judge reply has no JSON"))  # asked again at once ...
+    assert not rewards.may_pass(ValueError("judge reply has no JSON"))  # ... but not waited for: it never parses
+
+
+def test_a_judge_that_answers_in_prose_is_asked_again_then_graded_offline():
+    """Catches: a malformed reply not retried (the judge may answer properly next time), or marked as a failure
+    that waiting cures."""
+    (verdict,), requests = ask_judge([{"text": "They match."}], "Which room?", "Room 3C", ["Room 3C"], retries=2)
+    assert len(requests) == 2 and verdict.judge == "offline" and verdict.transient is False
+    assert "judge reply has no JSON: 'They match.'" in verdict.error
+
+
+def test_judge_endpoints_get_a_placeholder_key_only_when_local():
+    """Catches: a placeholder key sent to a provider's own API (it must fall back to e.g. OPENAI_API_KEY), or none
+    sent to a local server (the OpenAI client refuses to send no key)."""
+    assert rewards.endpoint_params(None, None) == {}
+    assert rewards.endpoint_params("http://127.0.0.1:8000/v1", None, 5.0) == {
+        "api_base": "http://127.0.0.1:8000/v1", "api_key": "none", "timeout": 5.0}
+    assert rewards.endpoint_params(None, "sk-x") == {"api_key": "sk-x"}
 
 
 def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):

@@ -254,6 +254,16 @@ def test_learning_curve_marks_the_warm_start_and_merges_a_steps_rows(tmp_path, r
     assert page.count("<polyline") == 3
 
 
+def test_valid_tool_call_rate_counts_turns_without_a_call_as_failed_attempts():
+    """Catches: a missing count taken as anything but 0 (an episode's metrics from an older evaluation may lack
+    one), or turns of plain text left out of the attempts."""
+    from email_agent.rewards import valid_tool_call_rate
+
+    assert valid_tool_call_rate([{"tool_calls": 3, "valid_tool_calls": 2}, {"parse_errors": 1}]) == 2 / 4
+    assert valid_tool_call_rate([{"parse_errors": 2}, {"tool_calls": 2, "valid_tool_calls": 2}]) == 2 / 4
+    assert valid_tool_call_rate([{}]) is None and valid_tool_call_rate([]) is None
+
+
 def test_mcnemar_exact_matches_the_binomial():
     from email_agent.summary import mcnemar_exact
 

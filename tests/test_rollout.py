@@ -264,6 +264,7 @@ def test_offline_verdict_lets_an_answer_leave_out_the_question_own_closing_words
     ("Boardroom 3 or 7", "Boardroom 7", False),  # a hedge naming another number
     ("$203,196.00", "$203,196.00 (sitara deal #1143983)", False),  # a part left out: a judge's call, not a match's
     ("1,783 Dth", "1,783 Dth long", False),
+    ("Plante, Everett", "Everett Plante", True),  # two words are enough to reorder
 ])
 def test_offline_verdict_takes_the_gold_answers_words_in_another_order(answer, gold, correct):
     """Real answers reword the gold: every word of it, in any order or with words between, and no number it
