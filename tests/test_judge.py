@@ -49,11 +49,15 @@ def test_reward_judge_is_the_judges_verdict_alone(demo_db, q, tmp_path, judge_re
 
 
 @pytest.mark.parametrize("mode", ["judge", "shaped"])
-def test_a_reward_that_needs_a_judge_is_refused_without_one(monkeypatch, tmp_path, mode):
+def test_a_reward_that_needs_a_judge_is_refused_without_one(monkeypatch, tmp_path, mode, caplog):
     monkeypatch.delenv("JUDGE_MODEL", raising=False)
     with pytest.raises(DataError, match=f"--reward {mode} needs a judge: pass --judge-model"):
         rewards.configure(mode, None, None, tmp_path)
     assert rewards.configure(None, None, None, tmp_path) == ("offline", None)  # no judge: offline by default
+    assert caplog.messages[-1] == ("no judge configured: answers are graded OFFLINE by normalised match against the "
+                                   "gold answer (pass --judge-model for an LLM judge).")  # said loudly
+    with pytest.raises(DataError, match=re.escape("--reward must be one of offline, shaped, judge, ruler, not 'rlhf'")):
+        rewards.configure("rlhf", None, None, tmp_path)
 
 
 def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
@@ -68,6 +72,8 @@ def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
     # RULER without an answer judge sends its requests to the same endpoint, with the same key
     assert rewards.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
     assert rewards.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"
+    # the judge's cache may go in a folder that does not exist yet
+    assert rewards.configure(None, None, None, tmp_path / "new" / "run")[1].cache_path.parent.is_dir()
     # a flag wins over the environment
     assert rewards.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
 

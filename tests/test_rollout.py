@@ -227,6 +227,21 @@ def test_reward_ordering_holds_everywhere(penalty):
     assert worst_correct > best_idk and worst_sound_idk > best_wrong
 
 
+def test_shaped_reward_hand_values():
+    """The bands of `shaped_reward`'s docstring, by hand. Catches: the precise-citing bonus multiplied instead of
+    divided by the number of sources, given for sources that are wrong or to an answer that cites none; and a
+    default penalty for a wrong answer other than ART·E's 1."""
+    right = dict(answer_correct=1, attempted_answer=1, num_turns=4)
+    assert shaped_reward(Rubric(**right, sources_correct=1), 10, 2) == pytest.approx(1 + 0.3 + 0.1 / 2 + 0.06)
+    assert shaped_reward(Rubric(**right, sources_correct=1), 10, 1) == pytest.approx(1 + 0.3 + 0.1 + 0.06)
+    assert shaped_reward(Rubric(**right), 10, 2) == pytest.approx(1 + 0.06)  # cited, but not the gold email
+    assert shaped_reward(Rubric(**right), 10, 0) == pytest.approx(1 + 0.06)  # cited nothing
+    assert shaped_reward(Rubric(**right, bad_tool_args=2), 10, 0) == pytest.approx(1 + 0.06 - 0.2)
+    wrong = Rubric(attempted_answer=1, hallucinated=1, ever_found_right_email=1, bad_tool_name=9)
+    assert shaped_reward(wrong, 10, 1) == pytest.approx(-1 + 0.1 - 0.5)  # penalty 1; bad calls cost 0.5 at most
+    assert shaped_reward(wrong, 10, 1, hallucination_penalty=2) == pytest.approx(-2 + 0.1 - 0.5)
+
+
 @needs_enron
 def test_rollout_on_real_enron_sample(enron_db):
     inbox = "gerald.nemec@enron.com"
