@@ -237,9 +237,21 @@ def test_shaped_reward_hand_values():
     assert shaped_reward(Rubric(**right), 10, 2) == pytest.approx(1 + 0.06)  # cited, but not the gold email
     assert shaped_reward(Rubric(**right), 10, 0) == pytest.approx(1 + 0.06)  # cited nothing
     assert shaped_reward(Rubric(**right, bad_tool_args=2), 10, 0) == pytest.approx(1 + 0.06 - 0.2)
-    wrong = Rubric(attempted_answer=1, hallucinated=1, ever_found_right_email=1, bad_tool_name=9)
-    assert shaped_reward(wrong, 10, 1) == pytest.approx(-1 + 0.1 - 0.5)  # penalty 1; bad calls cost 0.5 at most
-    assert shaped_reward(wrong, 10, 1, hallucination_penalty=2) == pytest.approx(-2 + 0.1 - 0.5)
+    credit = dict(ever_found_right_email=1, ever_read_right_email=1, sources_correct=1)
+    wrong = Rubric(attempted_answer=1, hallucinated=1, bad_tool_name=9, **credit)
+    assert shaped_reward(wrong, 10, 1) == pytest.approx(-1 + 0.3 - 0.5)  # penalty 1; bad calls cost 0.5 at most
+    assert shaped_reward(wrong, 10, 1, hallucination_penalty=2) == pytest.approx(-2 + 0.3 - 0.5)
+    assert shaped_reward(Rubric(returned_i_dont_know=1, searches=1, ever_found_right_email=1), 10, 0) == \
+        pytest.approx(-0.5 + 0.1)  # "I don't know" with the answer in view
+
+
+@pytest.mark.parametrize("answer, gold, reasoning", [
+    ("I don't know", "I don't know", "answered I don't know"),  # never right, even against such a gold answer
+    ("Tuesday", "?!", "empty gold answer"),  # nothing left of the gold answer to match
+])
+def test_offline_verdict_never_accepts_i_dont_know_or_an_empty_gold_answer(answer, gold, reasoning):
+    verdict = rewards.offline_verdict(answer, gold, "When?")
+    assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "offline", reasoning)
 
 
 @needs_enron
