@@ -208,10 +208,8 @@ async def regrade(group: art.TrajectoryGroup, questions: dict, config: RolloutCo
 async def regrade_episode(traj: art.Trajectory, question: Question, config: RolloutConfig) -> art.Trajectory:
     """Grade a finished episode again (its judge failed the first time): the rubric's outcome and the reward."""
     fields = Rubric.__dataclass_fields__
+    # `grade` writes again every outcome field the same answer reached the first time; the rest is the episode's
     rubric = Rubric(**{k: v for k, v in traj.metrics.items() if k in fields})
-    for key in ("answer_correct", "sources_correct", "attempted_answer", "returned_i_dont_know", "hallucinated",
-                "judge_error", "withheld_answer", "withheld_right"):
-        setattr(rubric, key, 0)
     sources = json.loads(traj.metadata.get("sources") or "[]")
     withheld = json.loads(traj.metadata["withheld"]) if traj.metadata.get("withheld") else None
     verdict = await grade(rubric, question, traj.metadata.get("answer"), sources, config, withheld)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 
+import art
 import pytest
 from openai import AsyncOpenAI
 
@@ -216,3 +217,35 @@ def test_a_failing_judge_prints_no_litellm_banner(monkeypatch, capfd):
     (verdict,), _ = ask_judge([{"status": 401}], "Which room?", "Room 3C", ["Room 3C"])
     out = capfd.readouterr()
     assert verdict.error and "Give Feedback" not in out.out + out.err and "LiteLLM" not in out.out + out.err
+
+
+def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db, q, tmp_path):
+    """What the train loop does once a judge that was down is back (`regrade`). Catches: the answer or its sources
+    not read back from the episode, outcome fields left from the offline fallback, and the run's hallucination
+    penalty dropped from the new reward."""
+    from email_agent.rollout import regrade
+
+    scripts = {"agent": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}
+
+    async def go():
+        async with ScriptedServer(scripts) as server:
+            judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=1)
+            config = RolloutConfig(reward="shaped", judge=judge, hallucination_penalty=2.0)
+            client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+            traj = await rollout(Policy(client, "agent"), q, demo_db, config)
+            first = (dict(traj.metrics), dict(traj.metadata))
+            server.scripts["judge"] = {"*": [REJECT]}  # back, and it rejects the answer
+            group = await regrade(art.TrajectoryGroup([traj]), {q.id: q}, config)
+            return first, group.trajectories[0], server.requests
+
+    (metrics, metadata), traj, requests = asyncio.run(go())
+    assert metadata["verdict_error"] and metadata["verdict_judge"] == "offline" and metrics["judge_error"] == 1
+    assert metrics["answer_correct"] == 1  # the gold answer word for word: the offline matcher accepted it
+    assert traj.metadata["verdict_error"] is None and traj.metadata["verdict_judge"] == "openai/judge"
+    m = traj.metrics
+    assert (m["answer_correct"], m["hallucinated"], m["attempted_answer"], m["judge_error"]) == (0, 1, 1, 0)
+    assert m["sources_correct"] == 1 and m["ever_read_right_email"] == 1  # its sources, read back
+    partial = 0.1 * (m["ever_found_right_email"] + m["ever_read_right_email"] + m["sources_correct"])
+    assert traj.reward == pytest.approx(-2.0 + partial)  # the run's penalty, 2
+    judged = [r["messages"][1]["content"] for r in requests if r["model"] == "judge"]
+    assert judged[-1].endswith(f"AI answer: {q.answer}")
