@@ -227,6 +227,23 @@ def test_reward_ordering_holds_everywhere(penalty):
     assert worst_correct > best_idk and worst_sound_idk > best_wrong
 
 
+def test_an_episode_shape_and_a_served_model_become_the_rollouts_settings():
+    """Catches: a shape's turns or results per search dropped on the way to the environment (the evaluation of a
+    checkpoint must play the episodes it was trained on), or a trained model's client left without a time limit
+    (a hung server would stall a training step for ever)."""
+    import art
+    from email_agent.episode import EpisodeShape
+
+    config = RolloutConfig.for_shape(EpisodeShape(max_turns=3, max_tokens=50, max_body_chars=700, search_results=4),
+                                     reward="judge")
+    assert (config.max_turns, config.max_body_chars, config.search_results, config.reward) == (3, 700, 4, "judge")
+    model = art.Model(name="agent", project="p", inference_base_url="http://127.0.0.1:9/v1",
+                      inference_model_name="agent@2")
+    policy = Policy.for_model(model)
+    assert (policy.model, policy.client.timeout, policy.client.max_retries) == ("agent@2", 300.0, 2)
+    assert Policy.for_model(model, timeout=5.0, max_retries=0).client.timeout == 5.0
+
+
 def test_shaped_reward_hand_values():
     """The bands of `shaped_reward`'s docstring, by hand. Catches: the precise-citing bonus multiplied instead of
     divided by the number of sources, given for sources that are wrong or to an answer that cites none; and a
