@@ -42,7 +42,7 @@ def test_correct_path(demo_db, q):
     assert (m["num_turns"], m["tool_calls"], m["valid_tool_calls"]) == (3, 3, 3)
     assert (m["ever_found_right_email"], m["ever_read_right_email"], m["ever_read_invalid_email"]) == (1, 1, 0)
     assert m["bad_tool_name"] == m["bad_tool_args"] == m["parse_errors"] == m["ran_out_of_turns"] == 0
-    assert (m["prompt_tokens"], m["completion_tokens"]) == (300, 30)
+    assert (m["prompt_tokens"], m["completion_tokens"], m["sequence_tokens"]) == (300, 30, 110)
     assert traj.reward == pytest.approx(1 + 0.3 + 0.1 + 0.1 * (1 - 3 / 10))
     assert traj.metadata["answer"] == q.answer and json.loads(traj.metadata["sources"]) == q.message_ids
     # the model saw the real tool results, and the system prompt binds inbox and date
@@ -52,6 +52,23 @@ def test_correct_path(demo_db, q):
     assert q.answer in json.loads(sent[5]["content"])["body"]  # the email read
     assert [t["function"]["name"] for t in server.requests[0]["tools"]] == ["search_inbox", "read_email",
                                                                             "return_final_answer"]
+    # the model's own call goes back as it was sent (the chat template renders it into the next prompt)
+    assert sent[2] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0_0", "type": "function", "function": {"name": "search_inbox", "arguments": json.dumps(
+            expert_script(q)[0]["args"])}}]}
+
+
+def test_a_reply_without_a_call_is_answered_with_a_nudge_and_extra_calls_are_counted(demo_db, q):
+    """Catches: the nudge sent in another role, or another message recorded in its place in the trajectory
+    (what GRPO trains on); and a turn's extra calls counted as one however many there were."""
+    script = {q.question: [{"text": "Let me think."},
+                           {"calls": [("search_inbox", {"keywords": ["x"]}), ("read_email", {"message_id": "y"}),
+                                      ("read_email", {"message_id": "z"})]}] + expert_script(q)}
+    (traj,), server = run(play(demo_db, script, [q]))
+    nudge = {"role": "user", "content": "Error: reply with a tool call (search_inbox, read_email or "
+                                        "return_final_answer), not plain text."}
+    assert server.requests[1]["messages"][3] == nudge and traj.messages_and_choices[3] == nudge
+    assert (traj.metrics["parse_errors"], traj.metrics["tool_calls"], traj.metrics["extra_tool_calls"]) == (1, 6, 2)
 
 
 def test_hallucination_and_idk(demo_db, q):
