@@ -69,6 +69,8 @@ def test_a_reply_without_a_call_is_answered_with_a_nudge_and_extra_calls_are_cou
                                         "return_final_answer), not plain text."}
     assert server.requests[1]["messages"][3] == nudge and traj.messages_and_choices[3] == nudge
     assert (traj.metrics["parse_errors"], traj.metrics["tool_calls"], traj.metrics["extra_tool_calls"]) == (1, 6, 2)
+    # the extra calls never ran: not valid calls, and no read of a missing email
+    assert (traj.metrics["valid_tool_calls"], traj.metrics["ever_read_invalid_email"]) == (4, 0)
 
 
 def test_hallucination_and_idk(demo_db, q):
@@ -126,6 +128,10 @@ def test_max_turns_exhaustion(demo_db, q):
     (traj,), _ = run(play(demo_db, script, [q], RolloutConfig(max_turns=3)))
     assert (traj.metrics["ran_out_of_turns"], traj.metrics["num_turns"], traj.metrics["attempted_answer"]) == (1, 3, 0)
     assert traj.reward == -0.5 and traj.metadata["answer"] is None  # below "I don't know": no decision made
+    # an answer on the last turn is not out of turns, and the time spent in the tools is counted
+    (traj,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(max_turns=3)))
+    assert (traj.metrics["ran_out_of_turns"], traj.metrics["answer_correct"]) == (0, 1)
+    assert traj.metrics["env_s"] > 0 and traj.messages_and_choices[-1]["content"] == "Answer recorded."
 
 
 def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
@@ -377,6 +383,16 @@ def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_
                                                         "unseen": ["Zanzibar"]}
     assert "Zanzibar" in checked.metadata["verdict_reasoning"]
     assert checked.reward > plain.reward  # withheld, it is scored as the abstention it now is
+    assert checked.metadata["verdict_judge"] == "rule"
+    # "I don't know" (no name in it to check) and no answer at all pass the check untouched
+    idk = {q.question: expert_script(q, answer="I don't know", sources=[])}
+    (abstained,), _ = run(play(demo_db, idk, [q], RolloutConfig(grounded_answers=True)))
+    assert abstained.metrics["withheld_answer"] == 0 and abstained.metadata["withheld"] is None
+    assert (abstained.metadata["verdict_judge"], abstained.metadata["verdict_reasoning"]) == ("rule",
+                                                                                             "answered I don't know")
+    (silent,), _ = run(play(demo_db, {q.question: expert_script(q)[:1]}, [q], RolloutConfig(max_turns=1,
+                                                                                             grounded_answers=True)))
+    assert silent.metrics["ran_out_of_turns"] == 1 and silent.metadata["withheld"] is None
     # a right answer copied from the email passes; one that adds an unseen code is withheld, and counted as right
     (right,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(grounded_answers=True)))
     assert right.metrics["answer_correct"] == 1 and right.metrics["withheld_answer"] == 0
