@@ -70,13 +70,17 @@ def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
     assert judge.litellm_params() == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret",
                                       "timeout": 60.0}
     assert "judge-secret" not in repr(judge)
-    # RULER without an answer judge sends its requests to the same endpoint, with the same key
-    assert rewards.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
-    assert rewards.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"
     # the judge's cache may go in a folder that does not exist yet
     assert rewards.configure(None, None, None, tmp_path / "new" / "run")[1].cache_path.parent.is_dir()
     # a flag wins over the environment
     assert rewards.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
+
+
+def test_ruler_without_an_answer_judge_uses_the_judge_endpoint_and_key_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JUDGE_API_BASE", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("JUDGE_API_KEY", "judge-secret")
+    assert rewards.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
+    assert rewards.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
 
 
 def test_the_judge_cache_survives_a_torn_line(demo_db, q, tmp_path):
