@@ -288,8 +288,9 @@ def test_shaped_reward_hand_values():
 @pytest.mark.parametrize("answer, gold, reasoning", [
     ("I don't know", "I don't know", "answered I don't know"),  # never right, even against such a gold answer
     ("Tuesday", "?!", "empty gold answer"),  # nothing left of the gold answer to match
+    ("Tuesday", "Room 3C", "gold answer not in the answer"),
 ])
-def test_offline_verdict_never_accepts_i_dont_know_or_an_empty_gold_answer(answer, gold, reasoning):
+def test_offline_verdict_rejects_i_dont_know_an_empty_gold_answer_and_a_miss(answer, gold, reasoning):
     verdict = rewards.offline_verdict(answer, gold, "When?")
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "offline", reasoning)
 
@@ -338,6 +339,15 @@ def test_offline_verdict_takes_the_gold_answers_words_in_another_order(answer, g
     lacks, is right (no demo verdict moved: the answers of two `make demo` runs' GRPO, validation and evaluation
     episodes, 344 in all, graded the same before and after)."""
     assert rewards.offline_verdict(answer, gold, "What is it?").correct is correct
+
+
+def test_offline_verdict_allows_three_times_a_long_gold_answers_length():
+    """The cap on pasted answers: the longer of three times the gold answer and the gold answer plus 60
+    characters. Catches a cap that ignores the gold answer's length."""
+    gold = "the quarterly review of the Houston office"  # 34 characters once normalised: a cap of 102
+    answer = f"It was {gold}, which moved to the main boardroom after lunch on the day in 2001"  # 98 normalised
+    assert rewards.offline_verdict(answer, gold).correct
+    assert not rewards.offline_verdict(answer + " and ran late into the evening with every team", gold).correct
 
 
 def test_graded_rollout_uses_the_question(demo_db, q):
