@@ -350,6 +350,16 @@ def test_offline_verdict_allows_three_times_a_long_gold_answers_length():
     assert not rewards.offline_verdict(answer + " and ran late into the evening with every team", gold).correct
 
 
+def test_i_dont_know_is_graded_wrong_by_rule(q):
+    """`--rejudge` writes this verdict into results.jsonl as it is. Catches an "I don't know" recorded as right."""
+    from email_agent.rollout import grade
+
+    rubric = Rubric()
+    verdict = asyncio.run(grade(rubric, q, "I don't know", [], RolloutConfig()))
+    assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "rule", "answered I don't know")
+    assert (rubric.returned_i_dont_know, rubric.attempted_answer, rubric.answer_correct) == (1, 0, 0)
+
+
 def test_graded_rollout_uses_the_question(demo_db, q):
     """The rollout grades with the question: a gold answer ending in the question's last word ("... Glasgow")
     is matched by the expert's answer without it."""
