@@ -217,6 +217,56 @@ def test_tool_argument_mistakes_are_caught_and_shown_with_a_call_that_works(smal
             parse_arguments("search_inbox", arguments)
 
 
+def test_the_agent_is_shown_the_arguments_it_sent_and_text_as_written(tmp_path):
+    """A read's outcome carries the arguments the model sent (the rollout counts reads of the gold email from
+    them); search and read results show accented text as written, not as \\u escapes that cost the model tokens
+    and hide the words; several wrong or missing argument names are all named."""
+    build_database([record(1, subject="Réunion café", body="falcon à Zürich")], [], tmp_path / "a.db", source="t",
+                   progress=False)
+    db = EmailDB(tmp_path / "a.db")
+    try:
+        inbox = Inbox(db, "bob@x.com", "2001-06-30")
+        read = call_tool(inbox, "read_email", '{"message_id": "<m1@x>"}')
+        assert read.arguments == {"message_id": "<m1@x>"} and read.result["subject"] == "Réunion café"
+        found = call_tool(inbox, "search_inbox", {"keywords": ["falcon"]})
+        for outcome in (read, found):
+            assert "Réunion café" in outcome.content and "\\u" not in outcome.content
+    finally:
+        db.close()
+    with pytest.raises(ValueError) as unknown:
+        parse_arguments("search_inbox", {"keywords": ["a"], "folder": "x", "limit": 3})
+    assert str(unknown.value) == ("search_inbox has no argument 'folder', 'limit'; its arguments are keywords, "
+                                  "from_address, to_address, sent_after, sent_before, max_results")
+    with pytest.raises(ValueError, match="^return_final_answer needs 'answer', 'sources'; e.g. "):
+        parse_arguments("return_final_answer", {})
+
+
+def test_read_for_a_person_and_the_text_of_mail_and_search_results(small_db):
+    """`read` and `search` on the command line: the email as its headers and body, each result as rank, date,
+    sender, subject, id and the snippet wrapped at 100 characters; a missing id says so (with the angle-bracket
+    hint only when they are missing)."""
+    _, db = small_db
+    email = db.read_or_explain("<m2@x>", inbox="bob@x.com", as_of="2001-06-30")
+    assert email == db.read("<m2@x>")
+    assert email.as_text() == ("Message-ID: <m2@x>\nDate: 2001-05-03 10:00:00 UTC\nFrom: alice@x.com\n"
+                               "To: bob@x.com\nCc: carol@x.com\nSubject: subject 2\n\n"
+                               "body number 2 about the falcon pipeline")
+    two = dataclasses.replace(email, to_addresses=["bob@x.com", "dan@x.com"], bcc_addresses=["eve@x.com"])
+    assert "\nTo: bob@x.com, dan@x.com\nCc: carol@x.com\nBcc: eve@x.com\nSubject: " in two.as_text()
+    with pytest.raises(data.DataError) as bare:
+        db.read_or_explain("m2@x")
+    assert str(bare.value) == "No email with message_id 'm2@x' (ids are written with angle brackets: '<m2@x>')."
+    with pytest.raises(data.DataError) as missing:
+        db.read_or_explain("<m99@x>")
+    assert str(missing.value) == "No email with message_id '<m99@x>'."
+    words = " ".join(f"word{i:02d}" for i in range(30))  # 30 x 6 characters + spaces: wraps after 14 words
+    result = data.SearchResult("<m2@x>", "subject 2", "alice@x.com", "2001-05-03 10:00:00", "  " + words + "\n ")
+    assert result.as_text(3).splitlines() == [
+        " 3. 2001-05-03 10:00:00  alice@x.com  subject 2", "    <m2@x>",
+        "    " + " ".join(f"word{i:02d}" for i in range(14)), "    " + " ".join(f"word{i:02d}" for i in range(14, 28)),
+        "    word28 word29"]
+
+
 def test_database_is_read_only(small_db):
     _, db = small_db
     with pytest.raises(sqlite3.OperationalError):
@@ -477,6 +527,12 @@ def test_question_selection(small_db):
     assert [q.id for q in questions.select_questions(db, "test")] == [2]
     assert questions.question_counts(db) == {"test": {"total": 1, "answerable": 1},
                                              "train": {"total": 3, "answerable": 2}}
+
+
+def test_a_selected_question_carries_every_field_from_its_own_column(small_db):
+    _, db = small_db
+    assert questions.select_questions(db, "train")[1] == questions.Question(
+        4, "q4?", "a", ["<m4@x>", "<m5@x>"], 0.9, "bob@x.com", "2001-06-30", "train")
 
 
 def test_a_split_with_no_answerable_question_counts_none(tmp_path):

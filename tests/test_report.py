@@ -294,3 +294,68 @@ def test_flat_learning_curve_spans_zero_not_one_above_its_value(tmp_path, record
     page = write_report(tmp_path, records, summarize(records), histories={"flat": rows})["html"].read_text()
     axes = dict(re.findall(r'aria-label="([^"]+)">.*?text-anchor="end">([^<]+)</text>', page))
     assert axes == {"val/reward": "0", "val/answer_correct": "0.25", "val/valid_tool_call_rate": "1"}
+
+
+def test_every_mean_reads_its_own_metric():
+    """Each per-model figure averages the metric it names (a misspelt key reads as "no data", n/a)."""
+    def metrics(i):
+        return {"num_turns": 2 + i, "ran_out_of_turns": i, "prompt_tokens": 1000 * (i + 1),
+                "completion_tokens": 10 * (i + 1), "sources_correct": i, "hallucinated": 0, "returned_i_dont_know": 1 - i}
+    rs = [{**_rec("m", i), "metrics": {**_rec("m", i)["metrics"], **metrics(i)}} for i in (0, 1)]
+    m = summarize(rs)["models"]["m"]
+    assert (m["avg_turns"], m["ran_out_of_turns_rate"], m["mean_prompt_tokens"], m["mean_completion_tokens"],
+            m["sources_correct"], m["hallucination_rate"], m["idk_rate"]) == (2.5, 0.5, 1500, 15, 0.5, 0, 0.5)
+
+
+def test_records_without_an_id_or_a_model_are_told_apart_by_their_question_and_shown_as_unknown():
+    """Older result files lack question_id: questions are then told apart (and paired) by their text; a record
+    without a model is grouped as "?", not as "None"."""
+    rs = [{key: value for key, value in _rec(model, q, correct=int(model == "a")).items() if key != "question_id"}
+          for model in ("a", "b") for q in (1, 2, 3)]
+    s = summarize(rs)
+    assert s["n_questions"] == 3 and (s["pairs"][0]["n"], s["pairs"][0]["only_a"]) == (3, 3)
+    unnamed = {key: value for key, value in _rec("x", 1).items() if key != "model"}
+    assert list(summarize([unnamed])["models"]) == ["?"]
+
+
+def test_results_file_lines_that_a_reader_cannot_use_are_counted_not_read(tmp_path):
+    """read_results keeps well-typed records and counts the rest: a cut line, a metric that is not a number, a
+    max_turns that is not an integer, a non-object line; bytes that are not UTF-8 are replaced, not fatal."""
+    from email_agent.summary import read_results
+
+    good = _rec("m", 1)
+    bad = [{**good, "metrics": {**good["metrics"], "answer_correct": "yes"}}, {**good, "max_turns": "5"},
+           {**good, "max_turns": 5.0}]
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in [good, *bad, {**good, "max_turns": 5}])
+                     + b"[1]\n\n" + json.dumps({**good, "question": "caf\xe9?"}, ensure_ascii=False).encode("latin-1") + b"\n"
+                     + json.dumps(good).encode()[:-9])
+    records, unreadable = read_results(path)
+    assert [r.get("max_turns") for r in records] == [None, 5, None] and unreadable == 5
+    assert records[2]["question"] == "caf\ufffd?"  # the Latin-1 byte, replaced
+
+
+def test_load_history_keeps_the_evaluated_step_and_reads_past_bytes_that_are_not_utf8(tmp_path):
+    p = tmp_path / "history.jsonl"
+    p.write_bytes(b'{"step": 3, "val/reward": 0.1}\n{"step": 4, "note": "caf\xe9"}\n{"step": 5, "val/reward": 0.2}\n')
+    assert [row["step"] for row in load_history(p, until_step=4)] == [3, 4]  # the checkpoint's own step counts
+    assert load_history(p)[1]["note"] == "caf\ufffd"
+
+
+def test_console_lines_state_each_figure_and_what_is_unknown():
+    from email_agent.summary import console_lines
+
+    known = {"accuracy": 0.5, "hallucination_rate": 0.125, "avg_turns": 3.25, "n": 8, "n_errors": 1,
+             "tool_choice": "auto", "episode": {"max_turns": 6, "max_tokens": 512}}
+    unknown = {"accuracy": None, "hallucination_rate": None, "avg_turns": None, "n": 0, "n_errors": 0}
+    pairs = [{"a": "trained", "b": "base", "only_a": 1, "only_b": 7, "p_value": 0.0703125},
+             {"a": "trained", "b": "other", "only_a": 0, "only_b": 6, "p_value": 0.03125}]
+    lines = console_lines({"models": {"trained": known, "base": unknown}, "pairs": pairs})
+    assert lines == [
+        f"{'trained':>32}  accuracy 50.0%  hallucination 12.5%  turns 3.2  n=8  errors 1  tool_choice auto  "
+        "shape 6 turns/512 tokens",
+        f"{'base':>32}  accuracy n/a  hallucination n/a  turns n/a  n=0  errors 0  tool_choice n/a  "
+        "shape ? turns/? tokens",
+        "trained vs base: 1 vs 7 questions only one got right, McNemar p=0.0703: no significant difference",
+        "trained vs other: 0 vs 6 questions only one got right, McNemar p=0.0312: other is better",
+    ]
