@@ -267,6 +267,35 @@ def test_read_for_a_person_and_the_text_of_mail_and_search_results(small_db):
         "    word28 word29"]
 
 
+def test_what_hides_an_email_and_which_inboxes_exist_are_said_in_full(small_db, tmp_path):
+    """`read` names exactly the flags that hide an email that exists; `--as-of` is named when its date is
+    malformed; a mistyped inbox lists the five largest, "address (count)" apart by commas; a snippet of 101
+    characters is wrapped at 100."""
+    _, db = small_db
+    with pytest.raises(data.DataError) as other_inbox:
+        db.read_or_explain("<m30@x>", inbox="bob@x.com")  # erin's email, asked in bob's inbox
+    assert str(other_inbox.value) == ("Email '<m30@x>' exists, but --inbox bob@x.com hides it (not that inbox's, "
+                                      "or sent after that day).")
+    with pytest.raises(data.DataError) as both:
+        db.read_or_explain("<m31@x>", inbox="bob@x.com", as_of="2001-06-30")  # sent 07-15
+    assert "exists, but --inbox bob@x.com --as-of 2001-06-30 hides it" in str(both.value)
+    with pytest.raises(data.DataError, match="^--as-of must be a date like 2001-05-31, not '2001-06-30x'$"):
+        data.visible_until("2001-06-30x")
+    people = [f"p{i}@x.com" for i in range(7)]  # p0 in 7 emails, p1 in 6, ... p6 in 1; each sender in 1
+    build_database([record(i, from_address=f"s{i}@x.com", to_addresses=people[:7 - i], cc_addresses=[])
+                    for i in range(7)], [], tmp_path / "p.db", source="t", progress=False)
+    many = EmailDB(tmp_path / "p.db")
+    try:
+        with pytest.raises(data.DataError) as typo:
+            many.require_inbox("p9@x.com")
+        assert str(typo.value).endswith("has no mail sent or received by 'p9@x.com'; its largest inboxes: "
+                                        "p0@x.com (7), p1@x.com (6), p2@x.com (5), p3@x.com (4), p4@x.com (3).")
+    finally:
+        many.close()
+    wide = data.SearchResult("<m2@x>", "s", "a@x.com", "2001-05-03 10:00:00", "a" * 50 + " " + "b" * 50)
+    assert wide.as_text(1).splitlines()[2:] == ["    " + "a" * 50, "    " + "b" * 50]
+
+
 def test_database_is_read_only(small_db):
     _, db = small_db
     with pytest.raises(sqlite3.OperationalError):

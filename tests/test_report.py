@@ -359,3 +359,29 @@ def test_console_lines_state_each_figure_and_what_is_unknown():
         "trained vs base: 1 vs 7 questions only one got right, McNemar p=0.0703: no significant difference",
         "trained vs other: 0 vs 6 questions only one got right, McNemar p=0.0312: other is better",
     ]
+
+
+def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
+    """Hand values where an off-by-one would hide: the interval of one question, the median of four latencies;
+    an errored record counts wrong (and as no answer) whatever its metrics say; judge errors and records are
+    counted; a record's withheld answer must be an object with a text answer and a list of sources."""
+    from email_agent.summary import episode_outcome, read_results, warm_start_steps
+
+    lo, hi = wilson_interval(1, 1)  # z^2 = 3.8416: centre (1 + 1.9208) / 4.8416
+    assert (lo, hi) == pytest.approx((0.2065, 1.0), abs=1e-4)
+    rs = [_rec("m", q, latency=lat) for q, lat in enumerate([8.0, 1.0, 4.0, 2.0])]
+    rs[0]["verdict"]["error"] = "judge unreachable"
+    crashed = {**_rec("m", 9), "error": "rollout crashed after answering"}  # metrics still say right
+    s = summarize(rs + [crashed])
+    m = s["models"]["m"]
+    assert m["latency_p50_s"] == pytest.approx(3.0)  # halfway between 2 and 4
+    assert (m["accuracy"], m["judge_errors"], s["n_records"]) == (0.8, 1, 5)
+    assert episode_outcome(crashed) == "no_answer"
+    good = _rec("m", 1)
+    withheld_shapes = [("a text", False), ({"answer": "a"}, False), ({"answer": 5, "sources": []}, False),
+                       ({"answer": "a", "sources": "x"}, False), ({"answer": "a", "sources": ["<x@y>"]}, True), (None, True)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps({**good, "withheld": w}) + "\n" for w, _ in withheld_shapes))
+    records, unreadable = read_results(tmp_path / "results.jsonl")
+    assert [r["withheld"] for r in records] == [w for w, ok in withheld_shapes if ok] and unreadable == 4
+    # the trainer's marker alone makes a warm-start step, whatever else its row logs
+    assert warm_start_steps([{"step": 2, "train/sft_epoch": 1, "train/reward": 0.0}, {"step": 5, "train/reward": 0.1}]) == {2}
