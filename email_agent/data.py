@@ -509,7 +509,7 @@ class EmailDB:
         return self.conn.execute("SELECT COUNT(*) FROM mailbox WHERE address = ?",  # pragma: no mutate
                                  (address.strip().lower(),)).fetchone()[0]
 
-    def largest_inboxes(self, n: int = 5) -> list[tuple[str, int]]:
+    def largest_inboxes(self, n: int) -> list[tuple[str, int]]:
         return self.conn.execute("SELECT address, COUNT(*) AS k FROM mailbox "  # pragma: no mutate
                                  "GROUP BY address ORDER BY k DESC LIMIT ?",  # pragma: no mutate
                                  (n,)).fetchall()

@@ -72,8 +72,8 @@ def normalize_question(raw: dict) -> Question:
             query_date=date.fromisoformat(str(raw["query_date"]).strip()[:10]).isoformat(),
             split=str(raw.get("split") or "train"),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)) from exc
+    except (TypeError, ValueError) as exc:  # no KeyError: every key read is checked above
+        raise ValueError(str(exc)) from exc
     empty = [k for k in ("question", "answer", "message_ids", "inbox_address") if not getattr(question, k)]
     if empty:
         raise ValueError(f"empty {', '.join(empty)}")

@@ -288,12 +288,34 @@ def test_what_hides_an_email_and_which_inboxes_exist_are_said_in_full(small_db, 
     try:
         with pytest.raises(data.DataError) as typo:
             many.require_inbox("p9@x.com")
+        assert str(typo.value).startswith(f"{tmp_path / 'p.db'} has no mail")  # the database searched
         assert str(typo.value).endswith("has no mail sent or received by 'p9@x.com'; its largest inboxes: "
                                         "p0@x.com (7), p1@x.com (6), p2@x.com (5), p3@x.com (4), p4@x.com (3).")
     finally:
         many.close()
     wide = data.SearchResult("<m2@x>", "s", "a@x.com", "2001-05-03 10:00:00", "a" * 50 + " " + "b" * 50)
     assert wide.as_text(1).splitlines()[2:] == ["    " + "a" * 50, "    " + "b" * 50]
+
+
+def test_a_keyword_with_a_double_quote_and_a_timestamp_for_a_day(small_db):
+    """A double quote inside a keyword is escaped as FTS5 wants ("" inside the phrase), not dropped or garbled:
+    `falcon"pipeline` finds what the phrase `falcon pipeline` finds; a timestamp passed where a day is expected
+    names that day."""
+    _, db = small_db
+    phrase = [r.message_id for r in db.search("bob@x.com", ["falcon pipeline"])]
+    assert len(phrase) == 10 and [r.message_id for r in db.search("bob@x.com", ['falcon"pipeline'])] == phrase
+    assert data.day_start("2001-06-30 17:45:00") == "2001-06-30 00:00:00"
+    assert data.day_after("2001-06-30T17:45:00") == "2001-07-01 00:00:00"
+
+
+def test_one_database_serves_many_threads(small_db):
+    """`serve` and the rollouts read one open database from worker threads: a connection bound to the thread
+    that opened it would fail there."""
+    import concurrent.futures
+    _, db = small_db
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        hits = pool.submit(lambda: len(db.search("bob@x.com", ["falcon"]))).result()
+    assert hits == 10
 
 
 def test_database_is_read_only(small_db):
