@@ -35,6 +35,14 @@ def q(demo_db):
     return next(x for x in qmod.select_questions(demo_db, "test") if "Glasgow" in x.question)
 
 
+def test_the_runs_body_limit_reaches_the_agents_inbox(demo_db, q):
+    """Catches a rollout that builds the agent's inbox without the run's `max_body_chars`: the email read is
+    then cut at the default, not at the length the run (and the trained model's context) was sized for."""
+    (_, server) = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(max_body_chars=30)))
+    body = json.loads(server.requests[-1]["messages"][5]["content"])["body"]
+    full = demo_db.read(q.message_ids[0]).body
+    assert len(full) > 60 and body.startswith(full[:30]) and len(body) < len(full) - 20
+
 def test_correct_path(demo_db, q):
     (traj,), server = run(play(demo_db, {q.question: expert_script(q)}, [q]))
     m = traj.metrics
