@@ -43,6 +43,18 @@ def test_the_runs_body_limit_reaches_the_agents_inbox(demo_db, q):
     full = demo_db.read(q.message_ids[0]).body
     assert len(full) > 60 and body.startswith(full[:30]) and len(body) < len(full) - 20
 
+def test_the_policys_temperature_is_sent_and_none_sends_none(demo_db, q):
+    """Catches a policy that drops its sampling temperature (GRPO samples at 1.0, evaluation greedily at 0) or
+    sends one when told to leave the server's default (o-series models refuse any other)."""
+    async def temperatures(value):
+        async with ScriptedServer({q.question: expert_script(q)}) as server:
+            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
+            await rollout(Policy(client, "scripted", temperature=value), q, demo_db, RolloutConfig())
+            await client.close()
+            return [r.get("temperature", "unset") for r in server.requests]
+    assert run(temperatures(0.7)) == [0.7] * 3
+    assert run(temperatures(None)) == ["unset"] * 3
+
 def test_correct_path(demo_db, q):
     (traj,), server = run(play(demo_db, {q.question: expert_script(q)}, [q]))
     m = traj.metrics
