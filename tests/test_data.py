@@ -1,5 +1,6 @@
 """The database build (sources, atomicity, counts) and the read-only search/read queries."""
 
+import concurrent.futures
 import dataclasses
 import datetime
 import email
@@ -311,7 +312,6 @@ def test_a_keyword_with_a_double_quote_and_a_timestamp_for_a_day(small_db):
 def test_one_database_serves_many_threads(small_db):
     """`serve` and the rollouts read one open database from worker threads: a connection bound to the thread
     that opened it would fail there."""
-    import concurrent.futures
     _, db = small_db
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         hits = pool.submit(lambda: len(db.search("bob@x.com", ["falcon"]))).result()

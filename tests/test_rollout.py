@@ -20,10 +20,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def play(db, script_by_question, qs, config=None, timeout=10.0, max_retries=0):
+async def play(db, script_by_question, qs, config=None, timeout=10.0, max_retries=0, **policy_options):
     async with ScriptedServer(script_by_question) as server:
         client = AsyncOpenAI(base_url=server.base_url, api_key="test", timeout=timeout, max_retries=max_retries)
-        policy = Policy(client, "scripted")
+        policy = Policy(client, "scripted", **policy_options)
         trajs = await asyncio.gather(*(rollout(policy, q, db, config or RolloutConfig()) for q in qs))
         await client.close()
         return trajs, server
@@ -38,22 +38,19 @@ def q(demo_db):
 def test_the_runs_body_limit_reaches_the_agents_inbox(demo_db, q):
     """Catches a rollout that builds the agent's inbox without the run's `max_body_chars`: the email read is
     then cut at the default, not at the length the run (and the trained model's context) was sized for."""
-    (_, server) = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(max_body_chars=30)))
+    _, server = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(max_body_chars=30)))
     body = json.loads(server.requests[-1]["messages"][5]["content"])["body"]
     full = demo_db.read(q.message_ids[0]).body
     assert len(full) > 60 and body.startswith(full[:30]) and len(body) < len(full) - 20
 
+
 def test_the_policys_temperature_is_sent_and_none_sends_none(demo_db, q):
     """Catches a policy that drops its sampling temperature (GRPO samples at 1.0, evaluation greedily at 0) or
     sends one when told to leave the server's default (o-series models refuse any other)."""
-    async def temperatures(value):
-        async with ScriptedServer({q.question: expert_script(q)}) as server:
-            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
-            await rollout(Policy(client, "scripted", temperature=value), q, demo_db, RolloutConfig())
-            await client.close()
-            return [r.get("temperature", "unset") for r in server.requests]
-    assert run(temperatures(0.7)) == [0.7] * 3
-    assert run(temperatures(None)) == ["unset"] * 3
+    for value, sent in ((0.7, 0.7), (None, "unset")):
+        _, server = run(play(demo_db, {q.question: expert_script(q)}, [q], temperature=value))
+        assert [r.get("temperature", "unset") for r in server.requests] == [sent] * 3
+
 
 def test_correct_path(demo_db, q):
     (traj,), server = run(play(demo_db, {q.question: expert_script(q)}, [q]))
