@@ -1,16 +1,14 @@
 """A scripted stand-in for the LLM: an OpenAI-compatible chat-completions server on 127.0.0.1.
 
-Each question (the first user message) has a script: a list of replies, one per assistant turn; scripts
-may also be keyed by model name first ({model: {question: script}}), and "*" is the script for any other
-question (e.g. a judge's reply). A reply is
-a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args), ...]} for several,
-{"text": "..."} for plain text, {"status": 500} for an HTTP error, {"raw": body} for a whole response body
-of its own, {"sleep": s} to stall. A script may
-also be a function of the request body that returns one reply (for replies that depend on the prompt or on
-earlier calls). A question with no script gets {"status": 404}. GET /v1/models lists `models` (none by
-default: "serves anything"); POST /v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a
-LoRA. With `api_key`, any request without `Authorization: Bearer <api_key>` gets HTTP 401. Tests and
-benches use it; the real model path is the CPU backend.
+Each question (the first user message) has a script: a list of replies, one per assistant turn; scripts may also be
+keyed by model name first ({model: {question: script}}), and "*" is the script for any other question (e.g. a
+judge's reply). A reply is a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args),
+...]} for several, {"text": "..."} for plain text, {"status": 500, "message": "..."} for an HTTP error (message
+optional), {"raw": body} for a whole response body of its own, {"sleep": s} to stall. A script may also be a
+function of the request body that returns one reply (for replies that depend on the prompt or on earlier calls). A
+question with no script gets {"status": 404}. GET /v1/models lists `models` (none by default: "serves anything");
+POST /v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a LoRA. With `api_key`, any request without
+`Authorization: Bearer <api_key>` gets HTTP 401. Tests and benches use it; the real model path is the CPU backend.
 
 With a `tokenizer` it serves as vLLM does (`sampled`): it renders each prompt with the tokenizer's chat
 template the way vLLM's chat endpoint prepares it (tool schemas as vLLM's pydantic models dump them, earlier
@@ -96,7 +94,8 @@ class ScriptedServer:
         if "sleep" in reply:
             await asyncio.sleep(reply["sleep"])
         if "status" in reply:
-            return web.json_response({"error": {"message": "scripted failure"}}, status=reply["status"])
+            return web.json_response({"error": {"message": reply.get("message", "scripted failure")}},
+                                     status=reply["status"])
         if "raw" in reply:  # a whole response body of the script's own, odd ones included
             return web.json_response(reply["raw"])
         calls = reply.get("calls") or ([(reply["tool"], reply["args"])] if "tool" in reply else [])

@@ -133,6 +133,7 @@ def test_a_timestamp_as_of_is_its_day(demo_db, q):
 
 
 def test_the_rollout_hook_sees_every_action(demo_db, q):
+    """Also catches an outcome that does not name the call it answers (the hook's callers may read either)."""
     import asyncio
 
     from email_agent.rollout import Policy, RolloutConfig, rollout
@@ -145,6 +146,7 @@ def test_the_rollout_hook_sees_every_action(demo_db, q):
     assert [(name, outcome.error if outcome else None) for name, _, outcome in seen] == [
         (None, None), ("nope", "bad_tool_name"), ("search_inbox", None), ("read_email", None),
         ("return_final_answer", None)]
+    assert all(outcome.name == name for name, _, outcome in seen[1:])
     assert seen[0][1] == "hmm" and traj.metrics["answer_correct"] == 1  # graded: a real question has a gold answer
 
 

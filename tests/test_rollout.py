@@ -53,7 +53,11 @@ def test_the_policys_temperature_is_sent_and_none_sends_none(demo_db, q):
 
 
 def test_correct_path(demo_db, q):
+    """Also catches a trajectory that does not say which question, inbox, split and policy it is (its metadata
+    is how a logged or exported trajectory is traced back)."""
     (traj,), server = run(play(demo_db, {q.question: expert_script(q)}, [q]))
+    assert {k: traj.metadata[k] for k in ("question_id", "inbox", "split", "policy")} == \
+        {"question_id": q.id, "inbox": q.inbox_address, "split": "test", "policy": "scripted"}
     m = traj.metrics
     assert (m["answer_correct"], m["sources_correct"], m["attempted_answer"], m["hallucinated"]) == (1, 1, 1, 0)
     assert (m["num_turns"], m["tool_calls"], m["valid_tool_calls"]) == (3, 3, 3)
@@ -152,10 +156,14 @@ def test_max_turns_exhaustion(demo_db, q):
 
 
 def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
-    script = {q.question: [call("search_inbox", {"keywords": ["zebra"]}), {"status": 500}]}
+    """Also catches an error recorded without the server's words (the reason a user needs), or with a key the
+    server quoted left in: the error goes to logs, traces and the report."""
+    failure = {"status": 500, "message": "quota exceeded for key sk-live0123456789abcdef"}
+    script = {q.question: [call("search_inbox", {"keywords": ["zebra"]}), failure]}
     (traj,), server = run(play(demo_db, script, [q], max_retries=1))
     assert traj.metrics["api_errors"] == 1 and traj.metrics["num_turns"] == 1
-    assert "InternalServerError" in traj.metadata["error"]
+    assert "InternalServerError" in traj.metadata["error"] and "quota exceeded for key sk-[redacted]" in \
+        traj.metadata["error"] and "0123456789" not in traj.metadata["error"]
     assert len(server.requests) == 3  # the client retried the 500 once
     slow = {q.question: [{"sleep": 5, "text": "late"}]}
     (traj,), _ = run(play(demo_db, slow, [q], timeout=0.5))
@@ -306,6 +314,7 @@ def test_shaped_reward_hand_values():
     ("I don't know", "I don't know", "answered I don't know"),  # never right, even against such a gold answer
     ("Tuesday", "?!", "empty gold answer"),  # nothing left of the gold answer to match
     ("Tuesday", "Room 3C", "gold answer not in the answer"),
+    ("Room 3C, as the notes from the meeting say " * 3, "Room 3C", "gold answer buried in an over-long answer"),
 ])
 def test_offline_verdict_rejects_i_dont_know_an_empty_gold_answer_and_a_miss(answer, gold, reasoning):
     verdict = rewards.offline_verdict(answer, gold, "When?")
@@ -356,6 +365,19 @@ def test_offline_verdict_takes_the_gold_answers_words_in_another_order(answer, g
     lacks, is right (no demo verdict moved: the answers of two `make demo` runs' GRPO, validation and evaluation
     episodes, 344 in all, graded the same before and after)."""
     assert rewards.offline_verdict(answer, gold, "What is it?").correct is correct
+
+
+@pytest.mark.parametrize("answer, gold, question, reasoning", [
+    ("Room 3C", "room 3c", "Where?", "gold answer found in the answer"),
+    ("21", "21 FTEs", "How many FTEs?", "gold answer found in the answer, less the question's own words ('21')"),
+    ("Plante, Everett", "Everett Plante", "Who?",
+     "every word of the gold answer in the answer, in another order or with words between them"),
+])
+def test_offline_verdict_says_which_rule_accepted_the_answer(answer, gold, question, reasoning):
+    """The reasoning is what a user reads in the report to check a grade; catches a verdict credited to
+    another judge or to the wrong rule."""
+    verdict = rewards.offline_verdict(answer, gold, question)
+    assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", reasoning)
 
 
 def test_offline_verdict_allows_three_times_a_long_gold_answers_length():
