@@ -316,7 +316,7 @@ def test_shaped_reward_hand_values():
     ("Tuesday", "Room 3C", "gold answer not in the answer"),
     ("Room 3C, as the notes from the meeting say " * 3, "Room 3C", "gold answer buried in an over-long answer"),
 ])
-def test_offline_verdict_rejects_i_dont_know_an_empty_gold_answer_and_a_miss(answer, gold, reasoning):
+def test_offline_verdict_rejects_i_dont_know_an_empty_gold_a_miss_and_a_buried_answer(answer, gold, reasoning):
     verdict = rewards.offline_verdict(answer, gold, "When?")
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "offline", reasoning)
 
