@@ -133,20 +133,26 @@ def test_a_timestamp_as_of_is_its_day(demo_db, q):
 
 
 def test_the_rollout_hook_sees_every_action(demo_db, q):
-    """Also catches an outcome that does not name the call it answers (the hook's callers may read either)."""
+    """Also catches an outcome that does not name the call it answers (the hook's callers may read either), says
+    another kind of mistake than the one made (an extra call, an answer with bad arguments), or, for a good
+    answer, leaves out its parsed arguments as every other good call's outcome has them."""
     import asyncio
 
     from email_agent.rollout import Policy, RolloutConfig, rollout
     from openai import AsyncOpenAI
 
     seen = []
-    with serve_in_thread({q.question: [{"text": "hmm"}, call("nope", {}), *expert_script(q)]}) as server:
+    script = [{"text": "hmm"}, call("nope", {}), {"calls": [("search_inbox", {"keywords": ["x"]}), ("nope", {})]},
+              call("return_final_answer", {"answer": 7}), *expert_script(q)]
+    with serve_in_thread({q.question: script}) as server:
         policy = Policy(AsyncOpenAI(base_url=server.base_url, api_key="x"), "x")
         traj = asyncio.run(rollout(policy, q, demo_db, RolloutConfig(), on_call=lambda *a: seen.append(a)))
     assert [(name, outcome.error if outcome else None) for name, _, outcome in seen] == [
-        (None, None), ("nope", "bad_tool_name"), ("search_inbox", None), ("read_email", None),
+        (None, None), ("nope", "bad_tool_name"), ("search_inbox", None), ("nope", "extra_tool_call"),
+        ("return_final_answer", "bad_tool_args"), ("search_inbox", None), ("read_email", None),
         ("return_final_answer", None)]
     assert all(outcome.name == name for name, _, outcome in seen[1:])
+    assert seen[-1][2].arguments == {"answer": q.answer, "sources": q.message_ids}
     assert seen[0][1] == "hmm" and traj.metrics["answer_correct"] == 1  # graded: a real question has a gold answer
 
 

@@ -2,7 +2,9 @@
 
 import asyncio
 import dataclasses
+import itertools
 import json
+import types
 
 import pytest
 from openai import AsyncOpenAI
@@ -35,10 +37,17 @@ def q(demo_db):
     return next(x for x in qmod.select_questions(demo_db, "test") if "Glasgow" in x.question)
 
 
-def test_the_runs_body_limit_reaches_the_agents_inbox(demo_db, q):
-    """Catches a rollout that builds the agent's inbox without the run's `max_body_chars`: the email read is
-    then cut at the default, not at the length the run (and the trained model's context) was sized for."""
-    _, server = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(max_body_chars=30)))
+def test_the_runs_body_limit_and_result_count_reach_the_agents_inbox(demo_db, q):
+    """Catches a rollout that builds the agent's inbox without the run's `max_body_chars` or `search_results`:
+    the email read is then cut, and a search that asks for no number lists, at the defaults, not at what the
+    run (and the trained model's context) was sized for."""
+    script = [call("search_inbox", {"keywords": ["trip"]}), *expert_script(q)[1:]]  # 5 results in this inbox
+    listed = []
+    for count in (1, 2):
+        _, server = run(play(demo_db, {q.question: script}, [q], RolloutConfig(max_body_chars=30,
+                                                                               search_results=count)))
+        listed.append(len(json.loads(server.requests[-1]["messages"][3]["content"])))
+    assert listed == [1, 2]
     body = json.loads(server.requests[-1]["messages"][5]["content"])["body"]
     full = demo_db.read(q.message_ids[0]).body
     assert len(full) > 60 and body.startswith(full[:30]) and len(body) < len(full) - 20
@@ -77,19 +86,26 @@ def test_correct_path(demo_db, q):
     assert sent[2] == {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_0_0", "type": "function", "function": {"name": "search_inbox", "arguments": json.dumps(
             expert_script(q)[0]["args"])}}]}
+    # each tool reply names the call it answers (a chat template, and the OpenAI API, pair them by this id)
+    assert [(m["role"], m.get("tool_call_id")) for m in sent[3:6:2]] == [("tool", "call_0_0"), ("tool", "call_1_0")]
+    assert [m["tool_call_id"] for m in traj.messages_and_choices if isinstance(m, dict) and m["role"] == "tool"] \
+        == ["call_0_0", "call_1_0", "call_2_0"]
 
 
 def test_a_reply_without_a_call_is_answered_with_a_nudge_and_extra_calls_are_counted(demo_db, q):
     """Catches: the nudge sent in another role, or another message recorded in its place in the trajectory
-    (what GRPO trains on); and a turn's extra calls counted as one however many there were."""
+    (what GRPO trains on); an extra call answered with other words than why it did not run; and a turn's extra
+    calls, or an episode's replies without a call, counted as one however many there were."""
     script = {q.question: [{"text": "Let me think."},
                            {"calls": [("search_inbox", {"keywords": ["x"]}), ("read_email", {"message_id": "y"}),
-                                      ("read_email", {"message_id": "z"})]}] + expert_script(q)}
+                                      ("read_email", {"message_id": "z"})]}, {"text": "Hmm."}] + expert_script(q)}
     (traj,), server = run(play(demo_db, script, [q]))
     nudge = {"role": "user", "content": "Error: reply with a tool call (search_inbox, read_email or "
                                         "return_final_answer), not plain text."}
     assert server.requests[1]["messages"][3] == nudge and traj.messages_and_choices[3] == nudge
-    assert (traj.metrics["parse_errors"], traj.metrics["tool_calls"], traj.metrics["extra_tool_calls"]) == (1, 6, 2)
+    assert [m["content"] for m in server.requests[2]["messages"] if m["role"] == "tool"][1:] == \
+        ["Error: only the first tool call of a turn is run; make one call per turn."] * 2
+    assert (traj.metrics["parse_errors"], traj.metrics["tool_calls"], traj.metrics["extra_tool_calls"]) == (2, 6, 2)
     # the extra calls never ran: not valid calls, and no read of a missing email
     assert (traj.metrics["valid_tool_calls"], traj.metrics["ever_read_invalid_email"]) == (4, 0)
 
@@ -157,7 +173,8 @@ def test_max_turns_exhaustion(demo_db, q):
 
 def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
     """Also catches an error recorded without the server's words (the reason a user needs), or with a key the
-    server quoted left in: the error goes to logs, traces and the report."""
+    server quoted left in: the error goes to logs, traces and the report; and one cut at another length than
+    its documented 300 characters."""
     failure = {"status": 500, "message": "quota exceeded for key sk-live0123456789abcdef"}
     script = {q.question: [call("search_inbox", {"keywords": ["zebra"]}), failure]}
     (traj,), server = run(play(demo_db, script, [q], max_retries=1))
@@ -165,6 +182,10 @@ def test_api_error_and_timeout_end_the_episode_without_raising(demo_db, q):
     assert "InternalServerError" in traj.metadata["error"] and "quota exceeded for key sk-[redacted]" in \
         traj.metadata["error"] and "0123456789" not in traj.metadata["error"]
     assert len(server.requests) == 3  # the client retried the 500 once
+    (traj,), _ = run(play(demo_db, {q.question: [{"status": 503, "message": "y" * 400}]}, [q]))
+    prefix = "policy API error: InternalServerError: "  # then the client's words, the first 300 characters
+    error = traj.metadata["error"]
+    assert error.startswith(prefix + "Error code: 503") and len(error) == len(prefix) + 300 and error.endswith("y")
     slow = {q.question: [{"sleep": 5, "text": "late"}]}
     (traj,), _ = run(play(demo_db, slow, [q], timeout=0.5))
     assert traj.metrics["api_errors"] == 1 and "Timeout" in traj.metadata["error"]
@@ -178,6 +199,30 @@ def test_a_reply_with_no_choices_is_an_api_error_not_a_crash(demo_db, q):
     assert traj.metrics["api_errors"] == 1 and traj.metrics["answer_correct"] == 0 and traj.metrics["num_turns"] == 0
     assert traj.metadata["error"] == "policy API error: the reply had no choices"
     assert traj.reward == rewards.reward("offline", rewards.Rubric(api_errors=1), 10, 0)
+
+
+def test_a_reply_whose_token_counts_are_null_counts_no_tokens(demo_db, q):
+    """Some servers send `usage` with null counts. Catches them counted as anything but zero (the tokens are what
+    the evaluation prices a model by)."""
+    answer = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+        {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "return_final_answer", "arguments": json.dumps(
+                {"answer": q.answer, "sources": q.message_ids})}}]}}],
+        "usage": {"prompt_tokens": None, "completion_tokens": None, "total_tokens": None}}
+    (traj,), _ = run(play(demo_db, {q.question: [{"raw": answer}]}, [q]))
+    m = traj.metrics
+    assert (m["prompt_tokens"], m["completion_tokens"], m["sequence_tokens"], m["answer_correct"]) == (0, 0, 0, 1)
+
+
+def test_model_and_tool_time_add_up_over_the_turns(demo_db, q, monkeypatch):
+    """With a clock that moves one second per reading, each turn's model call and its tool work take a second
+    each. Catches an episode's time that keeps only the last turn's, or counts it the wrong way."""
+    import email_agent.rollout as rollout_module
+
+    ticks = itertools.count()
+    monkeypatch.setattr(rollout_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    (traj,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q]))
+    assert (traj.metrics["num_turns"], traj.metrics["latency_s"], traj.metrics["env_s"]) == (3, 3.0, 3.0)
 
 
 def test_cannot_read_other_inboxes_or_future_mail(demo_db, q):
@@ -344,6 +389,7 @@ def test_rollout_on_real_enron_sample(enron_db):
     ("Friday afternoon", "Friday morning", "Is the call moved to the morning or the afternoon?", False),  # a choice
     ("Mark approved it", "Jeff approved it", "Who approved it?", False),  # what is left ("Jeff") must be there
     ("office", "Dallas office", "Which office, the Dallas office?", False),  # only the question's words left
+    ("?!", "Dallas office", "Which office, the Dallas office?", False),  # nothing is not what is left of it
     ("21 " + "and more words " * 10, "21 FTEs", "How many FTEs were approved?", False),  # still capped in length
 ])
 def test_offline_verdict_lets_an_answer_leave_out_the_question_own_closing_words(answer, gold, question, correct):
@@ -380,13 +426,21 @@ def test_offline_verdict_says_which_rule_accepted_the_answer(answer, gold, quest
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", reasoning)
 
 
-def test_offline_verdict_allows_three_times_a_long_gold_answers_length():
-    """The cap on pasted answers: the longer of three times the gold answer and the gold answer plus 60
-    characters. Catches a cap that ignores the gold answer's length."""
-    gold = "the quarterly review of the Houston office"  # 34 characters once normalised: a cap of 102
-    answer = f"It was {gold}, which moved to the main boardroom after lunch on the day in 2001"  # 98 normalised
-    assert rewards.offline_verdict(answer, gold).correct
-    assert not rewards.offline_verdict(answer + " and ran late into the evening with every team", gold).correct
+@pytest.mark.parametrize("gold", ["Room 3C", "the quarterly review of the Houston office"])
+def test_offline_verdict_caps_an_answer_at_three_times_the_gold_or_60_characters_more(gold):
+    """The cap on pasted answers, to the character: the longer of three times the gold answer (34 characters
+    once normalised for the long one: a cap of 102) and the gold answer plus 60 (7 for "room 3c": a cap of 67).
+    Catches a cap that ignores the gold answer's length, or sits a character off either way."""
+    want = rewards.normalize_answer(gold)
+    cap = max(3 * len(want), len(want) + 60)
+
+    def answer_of(length):
+        answer = f"{gold} " + "z" * (length - len(want) - 1)
+        assert len(rewards.normalize_answer(answer)) == length
+        return answer
+
+    assert rewards.offline_verdict(answer_of(cap), gold).correct
+    assert rewards.offline_verdict(answer_of(cap + 1), gold).reasoning == "gold answer buried in an over-long answer"
 
 
 def test_i_dont_know_is_graded_wrong_by_rule(q):
