@@ -1,6 +1,7 @@
 """The database build (sources, atomicity, counts) and the read-only search/read queries."""
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import email
@@ -210,6 +211,8 @@ def test_tool_argument_mistakes_are_caught_and_shown_with_a_call_that_works(smal
     with pytest.raises(ValueError, match="read_email needs 'message_id'"):
         parse_arguments("read_email", None)
     assert parse_arguments("search_inbox", {"keywords": ["a"], "from_address": None}) == {"keywords": ["a"]}
+    with pytest.raises(ValueError, match="'max_results' must be an integer"):  # a None skipped, not the rest
+        parse_arguments("search_inbox", {"keywords": ["a"], "from_address": None, "max_results": "ten"})
     for arguments, message in [({"keywords": ["a"], "max_results": True}, "'max_results' must be an integer"),
                                ({"keywords": ["a", 1]}, "'keywords' must be a list of strings"),
                                ({"keywords": ["a"], "from_address": 5}, "'from_address' must be a string"),
@@ -578,6 +581,16 @@ def test_question_selection(small_db):
     assert [q.id for q in questions.select_questions(db, "test")] == [2]
     assert questions.question_counts(db) == {"test": {"total": 1, "answerable": 1},
                                              "train": {"total": 3, "answerable": 2}}
+
+
+def test_a_question_without_a_realism_score_is_selected_unless_a_minimum_is_asked(tmp_path):
+    """A user's own question file may carry no `how_realistic`. Catches such questions dropped by default."""
+    path = tmp_path / "q.db"
+    build_database([record(1), record(2)], [question(1, how_realistic=None), question(2)], path, source="test",
+                   progress=False)
+    with contextlib.closing(EmailDB(path)) as db:
+        assert [q.id for q in questions.select_questions(db, "train")] == [1, 2]
+        assert [q.id for q in questions.select_questions(db, "train", min_realistic=0.1)] == [2]
 
 
 def test_a_selected_question_carries_every_field_from_its_own_column(small_db):

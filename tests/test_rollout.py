@@ -55,10 +55,12 @@ def test_the_runs_body_limit_and_result_count_reach_the_agents_inbox(demo_db, q)
 
 def test_the_policys_temperature_is_sent_and_none_sends_none(demo_db, q):
     """Catches a policy that drops its sampling temperature (GRPO samples at 1.0, evaluation greedily at 0) or
-    sends one when told to leave the server's default (o-series models refuse any other)."""
+    sends one when told to leave the server's default (o-series models refuse any other); and one that does not
+    ask for the sampled tokens' log-probabilities by default."""
     for value, sent in ((0.7, 0.7), (None, "unset")):
         _, server = run(play(demo_db, {q.question: expert_script(q)}, [q], temperature=value))
         assert [r.get("temperature", "unset") for r in server.requests] == [sent] * 3
+        assert [r.get("logprobs") for r in server.requests] == [True] * 3  # what ART trains on
 
 
 def test_correct_path(demo_db, q):
@@ -117,6 +119,10 @@ def test_hallucination_and_idk(demo_db, q):
     assert traj.reward == pytest.approx(-1.0)
     (traj,), _ = run(play(demo_db, wrong, [q], RolloutConfig(hallucination_penalty=2)))
     assert traj.reward == pytest.approx(-2.0)  # a costlier hallucination
+    # the right answer citing another email: the sources are not right just because there are some
+    other = {q.question: [call("return_final_answer", {"answer": q.answer, "sources": ["<other@x>"]})]}
+    (traj,), _ = run(play(demo_db, other, [q]))
+    assert (traj.metrics["answer_correct"], traj.metrics["sources_correct"]) == (1, 0)
     idk = {q.question: [call("search_inbox", {"keywords": ["zebra"]}),
                         call("return_final_answer", {"answer": "I don't know", "sources": []})]}
     (traj,), _ = run(play(demo_db, idk, [q]))
@@ -158,6 +164,19 @@ def test_bad_calls_are_reported_and_recoverable(demo_db, q, label, bad, counter,
     assert [f for f in feedback if f.startswith("Error") and message in f]
     assert m["answer_correct"] == 1 and m["num_turns"] == 4  # it recovered
     assert traj.reward == pytest.approx(1 + 0.3 + 0.1 + 0.1 * (1 - 4 / 10) - 0.1)
+
+
+def test_every_bad_call_and_search_is_counted_not_just_the_first():
+    """Catches a counter that records that a kind of call happened rather than how often (the shaped reward
+    charges each bad call, and the report shows searches per episode)."""
+    from email_agent.rollout import record_outcome
+    from email_agent.tools import ToolOutcome
+
+    rubric = Rubric()
+    for outcome in [ToolOutcome("nope", "", "bad_tool_name")] * 2 + [ToolOutcome("read_email", "", "bad_tool_args")] * 3 \
+            + [ToolOutcome("search_inbox", "[]", None, {"keywords": ["x"]}, [])] * 2:
+        record_outcome(rubric, outcome, {"<gold@x>"})
+    assert (rubric.bad_tool_name, rubric.bad_tool_args, rubric.searches, rubric.valid_tool_calls) == (2, 3, 2, 2)
 
 
 def test_max_turns_exhaustion(demo_db, q):
