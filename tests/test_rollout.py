@@ -353,7 +353,9 @@ def test_an_episode_shape_and_a_served_model_become_the_rollouts_settings():
                       inference_model_name="agent@2")
     policy = Policy.for_model(model)
     assert (policy.model, policy.client.timeout, policy.client.max_retries) == ("agent@2", 300.0, 2)
-    assert Policy.for_model(model, timeout=5.0, max_retries=0).client.timeout == 5.0
+    policy = Policy.for_model(model, timeout=5.0, max_retries=0, temperature=0.3, max_tokens=99)
+    assert (policy.client.timeout, policy.client.max_retries, policy.temperature, policy.max_tokens) == \
+        (5.0, 0, 0.3, 99)  # the sampling settings reach the policy, the client's reach the client
 
 
 def test_shaped_reward_hand_values():
