@@ -253,3 +253,27 @@ def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db
     assert traj.reward == pytest.approx(-2.0 + partial)  # the run's penalty, 2
     judged = [r["messages"][1]["content"] for r in requests if r["model"] == "judge"]
     assert judged[-1].endswith(f"AI answer: {q.answer}")
+
+
+@pytest.mark.parametrize("reward", ["shaped", "judge"])
+def test_a_regraded_episode_the_judge_accepts_is_rewarded_in_the_runs_mode(demo_db, q, reward):
+    """Catches a re-graded reward computed in another mode than the run's, or without the number of sources (the
+    shaped reward's citing bonus is divided by it)."""
+    from email_agent.rollout import regrade
+
+    scripts = {"agent": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}
+
+    async def go():
+        async with ScriptedServer(scripts) as server:
+            config = RolloutConfig(reward=reward, judge=rewards.LLMJudge("openai/judge", api_base=server.base_url,
+                                                                         retries=1))
+            client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+            traj = await rollout(Policy(client, "agent"), q, demo_db, config)
+            server.scripts["judge"] = {"*": [ACCEPT]}
+            return (await regrade(art.TrajectoryGroup([traj]), {q.id: q}, config)).trajectories[0]
+
+    traj = asyncio.run(go())
+    assert traj.metrics["answer_correct"] == 1 and traj.metadata["verdict_judge"] == "openai/judge"
+    assert traj.reward == pytest.approx(1.0 if reward == "judge" else rewards.shaped_reward(
+        rewards.Rubric(**{k: v for k, v in traj.metrics.items() if k in rewards.Rubric.__dataclass_fields__}),
+        RolloutConfig().max_turns, len(q.message_ids)))
