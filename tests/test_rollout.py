@@ -511,7 +511,7 @@ def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_
     (checked,), _ = run(play(demo_db, invented, [q], RolloutConfig(grounded_answers=True)))
     m = checked.metrics
     assert (m["returned_i_dont_know"], m["attempted_answer"], m["hallucinated"]) == (1, 0, 0)
-    assert (m["withheld_answer"], m["withheld_right"]) == (1, 0)
+    assert (m["withheld_answer"], m["withheld_right"], m["judge_error"]) == (1, 0, 0)  # graded, by a judge that ran
     assert checked.metadata["answer"] == rewards.IDK and json.loads(checked.metadata["sources"]) == []
     assert json.loads(checked.metadata["withheld"]) == {"answer": "Zanzibar Lodge", "sources": q.message_ids,
                                                         "unseen": ["Zanzibar"]}
