@@ -172,9 +172,10 @@ def test_every_bad_call_and_search_is_counted_not_just_the_first():
     from email_agent.rollout import record_outcome
     from email_agent.tools import ToolOutcome
 
+    outcomes = [ToolOutcome("nope", "", "bad_tool_name")] * 2 + [ToolOutcome("read_email", "", "bad_tool_args")] * 3
+    outcomes += [ToolOutcome("search_inbox", "[]", None, {"keywords": ["x"]}, [])] * 2
     rubric = Rubric()
-    for outcome in [ToolOutcome("nope", "", "bad_tool_name")] * 2 + [ToolOutcome("read_email", "", "bad_tool_args")] * 3 \
-            + [ToolOutcome("search_inbox", "[]", None, {"keywords": ["x"]}, [])] * 2:
+    for outcome in outcomes:
         record_outcome(rubric, outcome, {"<gold@x>"})
     assert (rubric.bad_tool_name, rubric.bad_tool_args, rubric.searches, rubric.valid_tool_calls) == (2, 3, 2, 2)
 
