@@ -110,14 +110,14 @@ def _summarize_model(records: list[dict]) -> dict:
     latency = _metric(scored, "latency_s")
     costs = [r.get("cost_usd") for r in scored]
     known_cost = bool(scored) and all(c is not None for c in costs)
-    first = records[0] if records else {}
+    first = records[0]  # summarize() makes one list per model seen: never empty
     outcomes = Counter(map(episode_outcome, records))
     return {
         "n": len(records),
         "n_errors": len(records) - len(scored),
         "n_scored": len(scored),
-        "accuracy": right / len(records) if records else None,
-        "accuracy_ci": list(wilson_interval(right, len(records))) if records else None,
+        "accuracy": right / len(records),
+        "accuracy_ci": list(wilson_interval(right, len(records))),
         "accuracy_scored": right / len(scored) if scored else None,
         "tool_choice": first.get("tool_choice"),
         "episode": first.get("episode"),
@@ -217,9 +217,9 @@ def load_history(path, until_step: int | None = None) -> list[dict]:
     rows = []
     for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            row = json.loads(line) if line.strip() else None
+            row = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a run killed mid-write leaves a truncated last line
+            continue  # a blank line, or the truncated last line of a run killed mid-write
         if isinstance(row, dict) and not (until_step is not None and is_number(row.get("step"))
                                           and row["step"] > until_step):
             rows.append(row)

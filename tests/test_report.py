@@ -6,7 +6,7 @@ import pytest
 
 from email_agent.redact import redact
 from email_agent.report import write_report
-from email_agent.summary import load_history, summarize, wilson_interval
+from email_agent.summary import episode_outcome, load_history, summarize, wilson_interval
 
 
 def _rec(model, qid, *, correct=1, halluc=0, idk=0, latency=1.0, valid=1, calls=1, cost=0.001, error=None,
@@ -84,6 +84,9 @@ def test_outcomes_say_how_close_each_episode_came_to_the_gold_email(tmp_path):
                rec(4, correct=0, halluc=1, listed=1), rec(5, correct=0, halluc=1),
                rec(6, correct=0, idk=1, listed=1), rec(7, correct=0, idk=1), rec(8, correct=0, out_of_turns=True),
                _rec("m", 9, error="rollout crashed")]
+    assert [episode_outcome(r) for r in records] == [
+        "right", "wrong_read", "wrong_read", "wrong_listed", "wrong_unseen", "idk_seen", "idk_unseen", "no_answer",
+        "no_answer"]  # each episode its own outcome, not only the right counts
     outcomes = summarize(records)["models"]["m"]["outcomes"]
     assert outcomes == {"right": 1, "wrong_read": 2, "wrong_listed": 1, "wrong_unseen": 1, "withheld": 0,
                         "idk_seen": 1, "idk_unseen": 1, "no_answer": 2}
@@ -320,18 +323,18 @@ def test_records_without_an_id_or_a_model_are_told_apart_by_their_question_and_s
 
 def test_results_file_lines_that_a_reader_cannot_use_are_counted_not_read(tmp_path):
     """read_results keeps well-typed records and counts the rest: a cut line, a metric that is not a number, a
-    max_turns that is not an integer, a non-object line; bytes that are not UTF-8 are replaced, not fatal."""
+    max_turns that is not an integer, a message that is not an object, a non-object line; bytes that are not UTF-8 are replaced, not fatal."""
     from email_agent.summary import read_results
 
     good = _rec("m", 1)
     bad = [{**good, "metrics": {**good["metrics"], "answer_correct": "yes"}}, {**good, "max_turns": "5"},
-           {**good, "max_turns": 5.0}]
+           {**good, "max_turns": 5.0}, {**good, "messages": [*good["messages"], "a message that is not an object"]}]
     path = tmp_path / "results.jsonl"
     path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in [good, *bad, {**good, "max_turns": 5}])
                      + b"[1]\n\n" + json.dumps({**good, "question": "caf\xe9?"}, ensure_ascii=False).encode("latin-1") + b"\n"
                      + json.dumps(good).encode()[:-9])
     records, unreadable = read_results(path)
-    assert [r.get("max_turns") for r in records] == [None, 5, None] and unreadable == 5
+    assert [r.get("max_turns") for r in records] == [None, 5, None] and unreadable == 6
     assert records[2]["question"] == "caf\ufffd?"  # the Latin-1 byte, replaced
 
 
@@ -365,7 +368,7 @@ def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
     """Hand values where an off-by-one would hide: the interval of one question, the median of four latencies;
     an errored record counts wrong (and as no answer) whatever its metrics say; judge errors and records are
     counted; a record's withheld answer must be an object with a text answer and a list of sources."""
-    from email_agent.summary import episode_outcome, read_results, warm_start_steps
+    from email_agent.summary import read_results, warm_start_steps
 
     lo, hi = wilson_interval(1, 1)  # z^2 = 3.8416: centre (1 + 1.9208) / 4.8416
     assert (lo, hi) == pytest.approx((0.2065, 1.0), abs=1e-4)
@@ -385,3 +388,5 @@ def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
     assert [r["withheld"] for r in records] == [w for w, ok in withheld_shapes if ok] and unreadable == 4
     # the trainer's marker alone makes a warm-start step, whatever else its row logs
     assert warm_start_steps([{"step": 2, "train/sft_epoch": 1, "train/reward": 0.0}, {"step": 5, "train/reward": 0.1}]) == {2}
+    # a row without a step is passed over, not the end of the history
+    assert warm_start_steps([{"train/loss": 1.0}, {"step": 1, "train/sft_epoch": 1}, {"step": "2", "train/loss": 1}]) == {1}
