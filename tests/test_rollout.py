@@ -377,6 +377,24 @@ def test_shaped_reward_hand_values():
         pytest.approx(-0.5 + 0.1)  # "I don't know" with the answer in view
 
 
+@pytest.mark.parametrize("text, normal", [
+    ("Caf\u00e9 \u2014 \u20ac4,000", "cafe 4000"),  # accent stripped, symbols with no ASCII form dropped, 4,000 joined
+    ("$2.4 million", "24 million"),
+    ("An apple, a pear and the plum", "apple pear and plum"),
+])
+def test_answers_are_compared_without_case_accents_symbols_digit_separators_or_articles(text, normal):
+    """Both sides of every offline verdict go through this. Catches a character with no ASCII form raising
+    instead of being dropped, "4,000" read as two numbers, and "a" or "an" kept."""
+    assert rewards.normalize_answer(text) == normal
+
+
+@pytest.mark.parametrize("answer, idk", [("I don't know", True), ("i dont know.", True), ("I do not know!", True),
+                                         ("I don't know yet", False), ("Not known", False)])
+def test_each_way_of_saying_i_dont_know_is_recognised(answer, idk):
+    """Catches a spelling of "I don't know" that would be graded as an attempted (wrong, hallucinated) answer."""
+    assert rewards.is_i_dont_know(answer) is idk
+
+
 @pytest.mark.parametrize("answer, gold, reasoning", [
     ("I don't know", "I don't know", "answered I don't know"),  # never right, even against such a gold answer
     ("Tuesday", "?!", "empty gold answer"),  # nothing left of the gold answer to match
