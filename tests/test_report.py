@@ -323,7 +323,8 @@ def test_records_without_an_id_or_a_model_are_told_apart_by_their_question_and_s
 
 def test_results_file_lines_that_a_reader_cannot_use_are_counted_not_read(tmp_path):
     """read_results keeps well-typed records and counts the rest: a cut line, a metric that is not a number, a
-    max_turns that is not an integer, a message that is not an object, a non-object line; bytes that are not UTF-8 are replaced, not fatal."""
+    max_turns that is not an integer, a message that is not an object, a non-object line; bytes that are not
+    UTF-8 are replaced, not fatal."""
     from email_agent.summary import read_results
 
     good = _rec("m", 1)
@@ -389,4 +390,5 @@ def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
     # the trainer's marker alone makes a warm-start step, whatever else its row logs
     assert warm_start_steps([{"step": 2, "train/sft_epoch": 1, "train/reward": 0.0}, {"step": 5, "train/reward": 0.1}]) == {2}
     # a row without a step is passed over, not the end of the history
-    assert warm_start_steps([{"train/loss": 1.0}, {"step": 1, "train/sft_epoch": 1}, {"step": "2", "train/loss": 1}]) == {1}
+    rows = [{"train/loss": 1.0}, {"step": 1, "train/sft_epoch": 1}, {"step": "2", "train/loss": 1}]
+    assert warm_start_steps(rows) == {1}

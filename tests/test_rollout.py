@@ -384,7 +384,7 @@ def test_shaped_reward_hand_values():
 ])
 def test_answers_are_compared_without_case_accents_symbols_digit_separators_or_articles(text, normal):
     """Both sides of every offline verdict go through this. Catches a character with no ASCII form raising
-    instead of being dropped, "4,000" read as two numbers, and "a" or "an" kept."""
+    instead of being dropped, "4,000" read as two numbers, and an article kept."""
     assert rewards.normalize_answer(text) == normal
 
 
