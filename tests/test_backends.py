@@ -29,9 +29,12 @@ def config(**overrides) -> cli.TrainConfig:
 
 @pytest.fixture
 def gpu_extra(monkeypatch):
-    """unsloth, trl and wandb importable, uv on PATH: what `pip install -r requirements-gpu.txt` brings."""
+    """unsloth, trl and wandb importable, uv on PATH: what `pip install -r requirements-gpu.txt` brings; and a
+    machine a first start has run on (ART's vLLM runtime built, the weights cached)."""
     monkeypatch.setattr(gpu_checks, "installed", lambda module: True)
     monkeypatch.setattr(gpu_checks.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: "/opt/art-runtime/bin/serve")
+    monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: True)
 
 
 def test_every_missing_local_prerequisite_is_one_sentence_with_its_fix(monkeypatch, tmp_path):
@@ -74,7 +77,7 @@ def test_the_default_7b_fits_a_24_gb_card_at_the_default_share_and_not_at_the_ol
     assert any(m.startswith("free GPU memory: 9.0 GiB free") for m in gpu_checks.readiness("local", config(), busy, {}).missing)
 
 
-@pytest.mark.parametrize("card, model", [(16, "Qwen/Qwen2.5-3B-Instruct"), (24, "Qwen/Qwen2.5-7B-Instruct"),
+@pytest.mark.parametrize("card, model", [(16, "Qwen/Qwen2.5-1.5B-Instruct"), (24, "Qwen/Qwen2.5-7B-Instruct"),
                                          (40, "Qwen/Qwen2.5-7B-Instruct"), (80, "Qwen/Qwen2.5-14B-Instruct")])
 def test_the_default_local_model_is_the_largest_that_fits_the_card(card, model):
     gpu = gpu_checks.GPU(f"{card} GB", gpu_checks.CARD_GIB.get(card, card * 0.98), card * 0.95)
@@ -194,3 +197,104 @@ def test_every_command_of_the_gpu_smoke_run_parses(tmp_path):
     train = cli.config_from_args(cli.make_parser().parse_args(phases[2][1][1:]))
     assert (train.backend, train.base_model, train.max_steps, train.sft_from) == (
         "local", "Qwen/Qwen2.5-0.5B-Instruct", 2, "demo-expert")
+
+
+def test_a_max_seq_length_art_s_trainer_cannot_pack_is_refused_in_one_sentence(gpu_extra):
+    missing = gpu_checks.readiness("local", config(max_seq_length=3000), CARD_24, environ={}).missing
+    assert missing == ["--max-seq-length a multiple of 2048: ART 0.5.18 packs a step to a multiple of 2048 tokens "
+                       "capped at 3000, and its trainer stops on a length 1024 does not divide; use 2048"]
+    assert gpu_checks.readiness("local", config(max_seq_length=4096), CARD_24, environ={}).ok
+
+
+def test_the_first_start_s_needs_are_told_before_it(monkeypatch, gpu_extra, tmp_path):
+    """No runtime built yet: glibc, Python 3.12 and disk for the runtime; offline, the runtime and both weight
+    repositories (the model's and unsloth's 4-bit one) must already be there."""
+    monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: None)
+    monkeypatch.setattr(gpu_checks, "python_312_found", lambda uv: True)
+    monkeypatch.setattr(gpu_checks, "free_gib", lambda path: 500.0)
+    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("glibc", "2.31"))
+    (missing,) = gpu_checks.readiness("local", config(), CARD_24, environ={}).missing
+    assert missing.startswith("glibc 2.34 or newer: ART 0.5.18's vLLM runtime is a manylinux_2_34 wheel and this "
+                              "machine has glibc 2.31")
+    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("glibc", "2.35"))
+    ready = gpu_checks.readiness("local", config(), CARD_24, environ={})
+    assert ready.ok and "vLLM runtime: built at the first start (uv sync, about 3.6 GiB of downloads; Python 3.12 " \
+                        "found)" in ready.lines
+    monkeypatch.setattr(gpu_checks, "python_312_found", lambda uv: False)
+    assert any("a managed Python 3.12" in line for line in gpu_checks.readiness("local", config(), CARD_24, {}).lines)
+    monkeypatch.setattr(gpu_checks, "free_gib", lambda path: 4.0)
+    monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: repo.startswith("Qwen/"))
+    missing = gpu_checks.readiness("local", config(), CARD_24, environ={}).missing
+    assert [m.split(":")[0] for m in missing] == ["disk for ART's vLLM runtime", "disk for the weights"]
+    assert "unsloth/Qwen2.5-7B-Instruct-unsloth-bnb-4bit take about 5.3 GiB" in missing[1]
+    missing = gpu_checks.readiness("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).missing
+    assert missing[0].startswith("Python 3.12: ART 0.5.18's vLLM runtime needs it and uv may not download one")
+    assert missing[1].startswith("a built vLLM runtime: offline, ART cannot build it")
+    assert missing[2].startswith("cached weights: offline (HF_HUB_OFFLINE), and the Hugging Face cache lacks "
+                                 "unsloth/Qwen2.5-7B-Instruct-unsloth-bnb-4bit;")
+    monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: "/opt/runtime/bin/serve")
+    monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: True)
+    assert gpu_checks.readiness("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).ok
+
+
+def test_a_built_runtime_is_the_one_art_itself_accepts(tmp_path, monkeypatch):
+    """ART 0.5.18's own validation of its managed runtime: an empty cache has none; a folder as ART installs it
+    (its manifest's hash for a name, ART's install marker with this cache root, a venv, the server) is one; the
+    same folder moved to another cache root is not (ART records the root it was built under)."""
+    from art import vllm_runtime
+
+    monkeypatch.setenv("ART_VLLM_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    assert gpu_checks.built_vllm_runtime({}) is None
+    assert gpu_checks.built_vllm_runtime({"ART_VLLM_RUNTIME_BIN": "/x/serve"}) == "/x/serve"
+    manifest = vllm_runtime._load_bundled_manifest()
+    digest = vllm_runtime._manifest_hash(manifest)
+
+    def build(root):
+        runtime = root / digest
+        (runtime / ".venv" / "bin").mkdir(parents=True)
+        (runtime / ".venv" / "pyvenv.cfg").write_text("")
+        server = runtime / ".venv" / "bin" / vllm_runtime.RUNTIME_SERVER
+        server.write_text("#!/bin/sh\n")
+        server.chmod(0o755)
+        marker = vllm_runtime.VllmRuntimeInstallMarker(
+            runtime_version=manifest.runtime_version, protocol_version=manifest.protocol_version,
+            manifest_hash=digest, runtime_wheel_sha256=manifest.runtime_wheel_sha256,
+            cache_root=str(root.resolve()))
+        (runtime / "install.json").write_text(marker.model_dump_json())
+        return server
+
+    server = build(tmp_path / "cache")
+    assert gpu_checks.built_vllm_runtime({}) == str(server.resolve())
+    build(tmp_path / "elsewhere")
+    (tmp_path / "cache" / digest / "install.json").unlink()
+    import shutil
+
+    shutil.move(str(tmp_path / "elsewhere" / digest / "install.json"), tmp_path / "cache" / digest / "install.json")
+    assert gpu_checks.built_vllm_runtime({}) is None
+
+
+def test_glibc_is_read_from_the_c_library(monkeypatch):
+    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    assert gpu_checks.glibc_version() == (2, 36)
+    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("", ""))
+    assert gpu_checks.glibc_version() is None
+
+
+def test_train_checks_a_gpu_run_before_anything_loads(demo_db_path, tmp_path, monkeypatch, gpu_extra):
+    """The order `train` keeps: the backend's readiness first, then the backend is built (ART loads nothing
+    before `register`); a readiness that fails stops it before that."""
+    events = []
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    monkeypatch.setattr(gpu_checks, "find_gpu", lambda: CARD_24)
+    readiness = gpu_checks.readiness
+    monkeypatch.setattr(gpu_checks, "readiness", lambda *a, **k: events.append("readiness") or readiness(*a, **k))
+
+    def make_backend(name, cfg):
+        events.append("make_backend")
+        raise backends.BackendError("stopped here by the test")
+
+    monkeypatch.setattr(backends, "make_backend", make_backend)
+    argv = ["train", "--backend", "local", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "g"]
+    assert cli.main(argv) == 1 and events == ["readiness", "make_backend"]
+    events.clear()
+    assert cli.main(argv + ["--max-seq-length", "3000"]) == 1 and events == ["readiness"]

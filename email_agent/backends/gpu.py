@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import platform
 import shutil
+import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
@@ -33,6 +35,9 @@ CUDA_GRAPHS_GIB = 0.5  # graph capture, unless --enforce-eager
 ASLEEP_GIB = 1.0  # a sleeping vLLM's CUDA context and graphs, beside the trainer
 TRAINER_FIXED_GIB = 1.5  # the trainer's CUDA context, LoRA weights, 8-bit Adam state, allocator slack
 MIN_FULL_SEQUENCES = 4  # KV cache for fewer whole-length sequences than this makes rollouts crawl
+LOGPROB_SAVED_COPIES = 4  # vocabulary-wide tensors ART 0.5.18 keeps per packed position (logprob_saved_bytes)
+LOGPROB_CHUNK = 1024  # ART's logprob_calculation_chunk_size: its trainer asserts the packed length divides by it
+PACK_MULTIPLE = 2048  # ART 0.5.18 pads a step's packed sequences to a multiple of this (local/backend.py)
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's --max-lora-rank takes; its default is 16
 
 # ART 0.5.18's own lists. Tinker: `art/tinker/renderers.py: get_renderer_name` (read from the installed file);
@@ -134,14 +139,29 @@ def estimate(shape: ModelShape, card_gib: float, *, gpu_memory_utilization: floa
     weights = shape.params * 2 / GiB
     kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2 * max_seq_length / GiB
     vllm_need = weights + MIN_FULL_SEQUENCES * kv + VLLM_OVERHEAD_GIB + (0 if enforce_eager else CUDA_GRAPHS_GIB)
-    four_bit = ((shape.params - shape.embedding_params) * 0.5 * 1.07 + shape.embedding_params * 2) / GiB
-    # unsloth checkpoints each layer's input, recomputes one layer at a time, and computes log-probs in chunks
-    # of 1,024 positions (ART's logprob_calculation_chunk_size)
+    four_bit = four_bit_bytes(shape) / GiB
+    # unsloth checkpoints each layer's input and recomputes one layer at a time; the log-probs of the packed
+    # sequence keep LOGPROB_SAVED_COPIES vocabulary-wide tensors per position, plus one chunk's float32 temporaries
     activations = (shape.layers * max_seq_length * shape.hidden * 2
                    + max_seq_length * (3 * shape.intermediate + 4 * shape.hidden) * 2
-                   + 2 * 1024 * shape.vocab * 4) / GiB
+                   + logprob_saved_bytes(shape.vocab, max_seq_length)
+                   + LOGPROB_CHUNK * shape.vocab * 4) / GiB
     trainer = four_bit + activations + TRAINER_FIXED_GIB + ASLEEP_GIB
     return Estimate(weights, kv, vllm_need, gpu_memory_utilization * card_gib, trainer, weights + four_bit + 2)
+
+
+def four_bit_bytes(shape: ModelShape) -> float:
+    """The trainer's 4-bit copy (bitsandbytes NF4 with its scales), embeddings kept in 16 bits."""
+    return (shape.params - shape.embedding_params) * 0.5 * 1.07 + shape.embedding_params * 2
+
+
+def logprob_saved_bytes(vocab: int, positions: int, dtype_bytes: int = 2) -> int:
+    """What ART 0.5.18's `_calculate_logprobs` (art/unsloth/train.py) leaves for backward: it takes the log-probs
+    and the entropy of every packed position with gradients, and autograd keeps four vocabulary-wide tensors per
+    position (the logits, exp of the log-softmax, its negation, the log-softmax) for all the step's positions,
+    whatever the chunk size, until the loss is computed. Measured on CPU with saved-tensor hooks, per position:
+    4 x vocab x dtype bytes, plus the logsumexp and the gathered index (tests/test_gpu_memory.py holds this)."""
+    return positions * (LOGPROB_SAVED_COPIES * vocab * dtype_bytes + dtype_bytes + 8)
 
 
 def default_local_model(card_gib: float, *, gpu_memory_utilization: float, max_seq_length: int,
@@ -268,7 +288,13 @@ def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
     r.lines.append(f"LoRA r={cfg.lora_rank}, alpha={cfg.lora_alpha}; vLLM started with --max-lora-rank {rank}")
     if cfg.lora_rank > VLLM_LORA_RANKS[-1]:
         r.missing.append(f"a LoRA rank vLLM can serve: at most {VLLM_LORA_RANKS[-1]}, not {cfg.lora_rank}")
+    if cfg.max_seq_length % PACK_MULTIPLE:
+        lower = max(PACK_MULTIPLE, cfg.max_seq_length // PACK_MULTIPLE * PACK_MULTIPLE)
+        r.missing.append(f"--max-seq-length a multiple of {PACK_MULTIPLE}: ART 0.5.18 packs a step to a multiple of "
+                         f"{PACK_MULTIPLE} tokens capped at {cfg.max_seq_length}, and its trainer stops on a length "
+                         f"{LOGPROB_CHUNK} does not divide; use {lower}")
     shape = model_shape(cfg.base_model)
+    _first_start(r, cfg.base_model, shape, environ)
     if shape is None:
         r.lines.append(f"memory: not estimated (no config.json for {cfg.base_model} at hand)")
         return
@@ -299,6 +325,126 @@ def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
     if host < e.host:
         r.missing.append(f"host memory: {host:.0f} GiB, and a sleeping vLLM and the parked trainer keep "
                          f"{e.host:.0f} GiB there; use a smaller --base-model")
+
+
+# ---- the first start: ART's vLLM runtime and the weights --------------------------------------------------
+
+# ART 0.5.18's vLLM runtime (`art/_vllm_runtime/`): vLLM 0.20.2 for manylinux_2_34, in a Python 3.12 venv; 177
+# wheels of 3.6 GiB in its lock, about 10 GiB once unpacked.
+RUNTIME_GLIBC = (2, 34)
+RUNTIME_DISK_GIB = 10.0
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "UV_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """This machine's glibc as (major, minor), or None where the C library is not glibc (musl, macOS)."""
+    library, version = platform.libc_ver()
+    parts = version.split(".")
+    if library != "glibc" or len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def built_vllm_runtime(environ=os.environ) -> str | None:
+    """Where ART's vLLM runtime is already built (ART_VLLM_RUNTIME_BIN, or the managed runtime in its cache that
+    ART 0.5.18's own check accepts), or None: then the first start builds it."""
+    if environ.get("ART_VLLM_RUNTIME_BIN"):
+        return environ["ART_VLLM_RUNTIME_BIN"]
+    from art import vllm_runtime  # ART's own validation, so a runtime it would rebuild is not taken as built
+
+    try:
+        manifest = vllm_runtime._load_bundled_manifest()
+    except RuntimeError:
+        return None
+    digest = vllm_runtime._manifest_hash(manifest)
+    root = vllm_runtime.get_vllm_runtime_cache_root().expanduser().resolve()
+    found = vllm_runtime._validate_managed_runtime(root / digest, cache_root=root, manifest=manifest,
+                                                   manifest_hash=digest)
+    return str(found) if found else None
+
+
+def offline(environ=os.environ) -> bool:
+    return any(environ.get(name, "").lower() in ("1", "true", "yes", "on") for name in OFFLINE_VARIABLES)
+
+
+def unsloth_repo(base_model: str) -> str | None:
+    """The repository unsloth 2026.3.3 trains instead of a Qwen2.5-Instruct at ART's default load_in_4bit (its
+    `models/mapper.py` maps each to a dynamic 4-bit quantisation of its own); None for models not mapped here."""
+    return f"unsloth/{base_model.split('/', 1)[1]}-unsloth-bnb-4bit" if base_model in QWEN2_5 else None
+
+
+def cached_repo(repo: str) -> bool:
+    """Whether the Hugging Face cache holds the repository's config.json (what a load reads first)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+
+
+def free_gib(path: Path) -> float:
+    """Free space on the disk that holds `path` (its nearest existing parent)."""
+    path = path.expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free / GiB
+
+
+def python_312_found(uv: str | None) -> bool:
+    """Whether a Python 3.12 runs here (the runtime's venv needs one; uv downloads one otherwise): as uv finds it,
+    or a python3.12 on PATH that starts (a pyenv shim of a version not selected does not)."""
+    command = [uv, "python", "find", ">=3.12,<3.13"] if uv else ["python3.12", "-c", ""]
+    try:
+        return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _first_start(r: Readiness, base_model: str, shape: ModelShape | None, environ) -> None:
+    """What ART 0.5.18's first start fetches and needs, told before it starts (docs/training.md, "The first
+    start"): the vLLM runtime it builds with uv, and the weights vLLM and unsloth each download."""
+    is_offline = offline(environ)
+    runtime = built_vllm_runtime(environ)
+    if runtime:
+        r.lines.append(f"vLLM runtime: built ({runtime})")
+    else:
+        glibc = glibc_version()
+        if glibc is None or glibc < RUNTIME_GLIBC:
+            found = "this C library is not glibc" if glibc is None else f"this machine has glibc {glibc[0]}.{glibc[1]}"
+            r.missing.append(f"glibc 2.34 or newer: ART 0.5.18's vLLM runtime is a manylinux_2_34 wheel and "
+                             f"{found} (Ubuntu 22.04, Debian 12 and RHEL 9 have it)")
+        uv = shutil.which("uv", path=environ.get("PATH")) or (str(venv_uv()) if venv_uv() else None)
+        if python_312_found(uv):
+            r.lines.append("vLLM runtime: built at the first start (uv sync, about 3.6 GiB of downloads; Python "
+                           "3.12 found)")
+        elif is_offline or environ.get("UV_PYTHON_DOWNLOADS") == "never":
+            r.missing.append("Python 3.12: ART 0.5.18's vLLM runtime needs it and uv may not download one here "
+                             "(offline); install python3.12")
+        else:
+            r.lines.append("vLLM runtime: built at the first start (uv sync, about 3.6 GiB of downloads, and a "
+                           "managed Python 3.12, none being here)")
+        cache = Path(environ.get("ART_VLLM_RUNTIME_CACHE_DIR") or Path.home() / ".cache" / "art" / "vllm_runtime")
+        if is_offline:
+            r.missing.append("a built vLLM runtime: offline, ART cannot build it (docs/training.md, \"An offline "
+                             "machine\")")
+        elif free_gib(cache) < RUNTIME_DISK_GIB:
+            r.missing.append(f"disk for ART's vLLM runtime: {free_gib(cache):.1f} GiB free at {cache}, it takes "
+                             f"about {RUNTIME_DISK_GIB:.0f} GiB (or set ART_VLLM_RUNTIME_CACHE_DIR elsewhere)")
+    repos = [base_model] + ([unsloth_repo(base_model)] if unsloth_repo(base_model) else [])
+    missing = [repo for repo in repos if not cached_repo(repo)]
+    if not missing:
+        r.lines.append(f"weights: cached ({', '.join(repos)})")
+    elif is_offline:
+        r.missing.append(f"cached weights: offline (HF_HUB_OFFLINE), and the Hugging Face cache lacks "
+                         f"{', '.join(missing)}; download them where there is a network first (docs/training.md)")
+    elif shape is not None:
+        from huggingface_hub import constants
+
+        need = ((shape.params * 2 if base_model in missing else 0)
+                + (four_bit_bytes(shape) if len(missing) > (base_model in missing) else 0)) / GiB
+        have = free_gib(Path(constants.HF_HUB_CACHE))
+        r.lines.append(f"weights: {', '.join(missing)} downloaded at the first start ({need:.1f} GiB)")
+        if have < need:
+            r.missing.append(f"disk for the weights: {have:.1f} GiB free at {constants.HF_HUB_CACHE}, "
+                             f"{', '.join(missing)} take about {need:.1f} GiB (or set HF_HOME elsewhere)")
 
 
 # ---- a guard for ART 0.5.18 ---------------------------------------------------------------------------------
