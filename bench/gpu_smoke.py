@@ -1,4 +1,4 @@
-"""GPU smoke run: the whole pipeline on one CUDA GPU with ART's LocalBackend, in about a quarter of an hour.
+"""GPU smoke run: the whole pipeline on one CUDA GPU with ART's LocalBackend, meant for under a quarter of an hour.
 
     make gpu-smoke                                    # = .venv-gpu/bin/python bench/gpu_smoke.py
     python bench/gpu_smoke.py --base-model Qwen/Qwen2.5-1.5B-Instruct --questions 50
@@ -6,10 +6,16 @@
 Runs the real commands, as a user would, on the bundled demo inbox: build-db --demo; train --backend local
 --demo on Qwen2.5-0.5B-Instruct (the demo preset: a warm start on the scripted expert's episodes, then GRPO, here
 2 steps, vLLM serving the LoRA between them); then one evaluation of step 0 (the untrained LoRA: the base model)
-and the last step on held-out test questions, both steps served by the one LocalBackend. Prints what each phase
-took, the preflight of the GPU (`train --preflight` says the same before anything loads), and the before/after
-table with the paired test. It needs a GPU: here (no GPU) `train --backend local --preflight` shows what is
-missing, and tests/test_backends.py checks that every command below parses.
+and the last step on held-out test questions, both steps served by one LocalBackend. Prints what it checks and
+what each phase took, then the before/after table with the paired test.
+
+The stack (unsloth's trainer and ART's vLLM) starts twice, once per command: ART 0.5.18 serves a run only through
+a LocalBackend that loads the trainer too, and a backend lives in one process. There is no separate preflight
+phase: `train` prints the readiness check before anything loads and says after its first GRPO step's rollouts
+whether the run can learn, so a `--preflight` run would only start the stack a third time.
+
+It needs a GPU: here (no GPU) `train --backend local --preflight` shows what is missing, and tests/test_backends.py
+checks that every command below parses.
 """
 
 from __future__ import annotations
@@ -31,12 +37,26 @@ def commands(base_model: str, questions: int, steps: int, art_dir: str, db: str,
              "--base-model", base_model, "--max-steps", str(steps), "--keep-checkpoints", "all"]
     return [
         ("build the demo inbox", ["train_email_search_agent.py", "build-db", "--demo", "--db", db]),
-        ("preflight", ["train_email_search_agent.py", *train, "--preflight"]),
         ("warm start + GRPO", ["train_email_search_agent.py", *train, "--fresh"]),
         ("evaluate", ["test_email_search_agent.py", "--demo", "--db", db, "--art-dir", art_dir,
                       "--model", f"{NAME}@0", "--model", NAME, "--limit", str(questions), "--grounded-answers",
                       "--output", out]),
     ]
+
+
+# What the run checks, and how long it should take on one 24 GB card (an estimate: no GPU has run it yet). The first
+# start builds ART's vLLM runtime (uv sync: ~3.6 GiB from PyPI, PyTorch's and vLLM's wheel hosts; 3-5 min on a
+# fast link, once per machine) and downloads the weights (0.5B: ~1 GiB in bf16 and ~0.5 GiB in 4-bit); a stack
+# start is then ~2 min (unsloth loads the 4-bit copy, vLLM loads bf16 weights and captures CUDA graphs). The
+# warm start trains ~200 demo episodes of ~1.5k tokens (~0.3M tokens: under a minute at GPU LoRA speeds), a GRPO
+# step is 8 rollouts of up to 4 turns on vLLM plus one update (~0.5 min), and the evaluation plays 2 x 30
+# episodes (~1 min). Two stack starts: ~13 min on a first run, ~8 min once the runtime and weights are cached.
+PLAN = """GPU smoke run: {model}, a warm start, {steps} GRPO steps, {questions} test questions.
+It checks, in order: the readiness check (the card, the memory estimate, the first start's runtime and weights);
+the warm start through ART's LocalBackend (unsloth's SFT); GRPO steps with vLLM serving each new LoRA as name@step;
+the evaluation of step 0 and the last step, served by one LocalBackend, with the paired test.
+Expected: about 13 minutes on a first run (ART builds its vLLM runtime and downloads the weights: 3-6 of them),
+about 8 once they are cached; the stack starts twice (train, evaluate)."""
 
 
 def main() -> int:
@@ -49,6 +69,7 @@ def main() -> int:
     work = ROOT / args.workdir
     work.mkdir(parents=True, exist_ok=True)
     db, art_dir, out = str(work / "demo.db"), str(work / "art"), str(work / "eval")
+    print(PLAN.format(model=args.base_model, steps=args.steps, questions=args.questions), flush=True)
     timings = []
     for phase, argv in commands(args.base_model, args.questions, args.steps, art_dir, db, out):
         if phase == "build the demo inbox" and Path(db).exists():

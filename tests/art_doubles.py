@@ -56,6 +56,16 @@ class GPUService:
         os.makedirs(get_step_checkpoint_dir(self.output_dir, step), exist_ok=True)
         yield {"loss/train": 0.25, "loss/grad_norm": 1.0, "loss/learning_rate": config.learning_rate}
 
+    async def train_sft(self, batches, config, verbose: bool = False):
+        """Records the SFT batches ART tokenized (its real `tokenize_sft_batch`, unsloth_zoo's masking) and, as the
+        real service does after its optimizer steps, writes the next checkpoint folder."""
+        self.sft_batches = getattr(self, "sft_batches", [])
+        for batch in batches:
+            self.sft_batches.append(batch)
+            yield {"loss/train": 0.5, "loss/learning_rate": batch.learning_rate}
+        step = get_step_from_dir(self.output_dir) + 1
+        os.makedirs(get_step_checkpoint_dir(self.output_dir, step), exist_ok=True)
+
     async def register_lora_for_step(self, step: int, checkpoint_dir: str) -> None:
         self.loaded.append((step, checkpoint_dir))
 

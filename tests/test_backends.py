@@ -190,11 +190,11 @@ def test_every_command_of_the_gpu_smoke_run_parses(tmp_path):
 
     phases = gpu_smoke.commands("Qwen/Qwen2.5-0.5B-Instruct", 30, 2, str(tmp_path / "art"), str(tmp_path / "d.db"),
                                 str(tmp_path / "eval"))
-    assert [phase for phase, _ in phases] == ["build the demo inbox", "preflight", "warm start + GRPO", "evaluate"]
+    assert [phase for phase, _ in phases] == ["build the demo inbox", "warm start + GRPO", "evaluate"]
     for _, (script, *argv) in phases:
         parser = cli.make_parser() if script == "train_email_search_agent.py" else evaluate_cli.make_parser()
         parser.parse_args(argv)  # exits (SystemExit) on a flag that is not there
-    train = cli.config_from_args(cli.make_parser().parse_args(phases[2][1][1:]))
+    train = cli.config_from_args(cli.make_parser().parse_args(phases[1][1][1:]))
     assert (train.backend, train.base_model, train.max_steps, train.sft_from) == (
         "local", "Qwen/Qwen2.5-0.5B-Instruct", 2, "demo-expert")
 
