@@ -5,8 +5,10 @@ its own parser; the token contract on a LoRA it serves; no process of it outlivi
   tests/art_vllm_argv.py) and the CPU path's own (`vllm_server.command`) are parsed by vLLM's server parser, and
   carry the same serving settings (tool parser, token ids, LoRA rank).
 - A LoRA warm-started by the CPU trainer, served by vLLM, plays real rollouts; what ART's tokenizer then trains on
-  (through `training_data`, as every backend trains) is, token for token, the prompt vLLM rendered plus the ids it
-  sampled, turn after turn.
+  (through `training_data`, as every backend trains) is exactly the ids vLLM sampled, after the first prompt vLLM
+  rendered, token for token. Later prompts are the same text, but vLLM re-renders the conversation from text: where
+  the model sampled its own text in other tokens than the tokenizer's ("}" + "}" for "}}"), vLLM conditioned the
+  next turn on the canonical tokens, not the trained ones (3 of 16 later prompts in one run). The test holds both.
 - vLLM ends with the process that started it: `kill -9` of that process included (real vLLM), and a normal exit,
   an exception and Ctrl-C (a stand-in server with vLLM's process tree: a server, its child and grandchild).
 """
