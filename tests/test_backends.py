@@ -235,6 +235,13 @@ def test_the_first_start_s_needs_are_told_before_it(monkeypatch, gpu_extra, tmp_
     monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: "/opt/runtime/bin/serve")
     monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: True)
     assert gpu_checks.readiness("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).ok
+    # a local model folder: nothing to download, nothing looked up on the hub
+    monkeypatch.undo()
+    ready = gpu_checks.readiness("local", config(base_model=str(tmp_path)), CARD_24, environ={"HF_HUB_OFFLINE": "1",
+                                                                                           "ART_VLLM_RUNTIME_BIN": "x"})
+    assert f"weights: the local folder {tmp_path}" in ready.lines
+    assert not any(m.startswith("cached weights") for m in ready.missing)
+    assert gpu_checks.cached_repo("a/../b") is False
 
 
 def test_a_built_runtime_is_the_one_art_itself_accepts(tmp_path, monkeypatch):

@@ -377,7 +377,10 @@ def cached_repo(repo: str) -> bool:
     """Whether the Hugging Face cache holds the repository's config.json (what a load reads first)."""
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    try:
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except ValueError:  # not a repository id (huggingface_hub's HFValidationError is a ValueError)
+        return False
 
 
 def free_gib(path: Path) -> float:
@@ -428,6 +431,9 @@ def _first_start(r: Readiness, base_model: str, shape: ModelShape | None, enviro
         elif free_gib(cache) < RUNTIME_DISK_GIB:
             r.missing.append(f"disk for ART's vLLM runtime: {free_gib(cache):.1f} GiB free at {cache}, it takes "
                              f"about {RUNTIME_DISK_GIB:.0f} GiB (or set ART_VLLM_RUNTIME_CACHE_DIR elsewhere)")
+    if Path(base_model).expanduser().is_dir():
+        r.lines.append(f"weights: the local folder {base_model}")
+        return
     repos = [base_model] + ([unsloth_repo(base_model)] if unsloth_repo(base_model) else [])
     missing = [repo for repo in repos if not cached_repo(repo)]
     if not missing:
