@@ -31,7 +31,7 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt
 	touch $@
 
 # Build the demo inbox, train the CPU agent on it, evaluate it beside the base model and its warm start (step 1).
-demo: setup
+demo: $(VENV)/.installed  # the main job serves with the CPU backend's engine: it needs no .venv-vllm
 	$(PY) train_email_search_agent.py build-db --demo
 	$(PY) train_email_search_agent.py train --demo
 	$(PY) test_email_search_agent.py --demo --model base --model demo@1 --model demo --limit 50 --grounded-answers --output eval/demo
