@@ -1,5 +1,5 @@
 """The vLLM OpenAI server on the CPU: its command line, from the settings the GPU path gives ART's LocalBackend; its
-process, which ends with whoever started it (kill -9 included); LoRA checkpoints loaded at run time as `name@step`.
+process, which ends with whoever started it (kill -9 included); LoRA checkpoints served as `name@step`.
 
 On a GPU, ART's LocalBackend starts vLLM itself, in the runtime it builds, with `SERVER_ARGS` and the LoRA engine
 arguments of `lora_engine_args` (`backends.internal_config` hands it those). Here the same server runs from the vLLM
@@ -112,7 +112,8 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """One vLLM OpenAI server on 127.0.0.1 serving a base model as `served_name` and LoRA checkpoints by name.
+    """One vLLM OpenAI server on 127.0.0.1 serving a base model as `served_name` and LoRA checkpoints by name
+    (`loras`, given at start; run-time loading is `evaluation.load_lora_adapter`'s).
 
     `async with VLLMServer(...) as server:` starts it and waits until it answers; leaving the block (or `close`)
     ends its whole process group. Its output goes to `log_path`.
@@ -130,7 +131,6 @@ class VLLMServer:
         self._process: subprocess.Popen | None = None
         self._template_file: str | None = None
         self.port: int | None = None
-        self.loras: dict[str, str] = dict(loras or {})  # name -> folder, as served now
 
     @property
     def base_url(self) -> str:
@@ -186,22 +186,6 @@ class VLLMServer:
             return "no log"
         errors = [line for line in lines if "Error" in line or "error:" in line]
         return (errors or lines or ["no output"])[-1][-400:]
-
-    async def load_lora(self, name: str, folder: str) -> None:
-        """Serve the LoRA checkpoint in `folder` as `name` from the next request on (replacing one of that name)."""
-        await self._post("load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve()),
-                                               "load_inplace": True}, f"load the LoRA {folder} as {name}")
-        self.loras[name] = folder
-
-    async def unload_lora(self, name: str) -> None:
-        await self._post("unload_lora_adapter", {"lora_name": name}, f"unload the LoRA {name}")
-        self.loras.pop(name, None)
-
-    async def _post(self, path: str, body: dict, what: str) -> None:
-        async with httpx.AsyncClient(timeout=300.0) as client:
-            response = await client.post(f"http://127.0.0.1:{self.port}/v1/{path}", json=body)
-        if response.status_code >= 400:
-            raise DataError(f"vLLM would not {what} (HTTP {response.status_code}: {response.text[:300]}).")
 
     async def close(self) -> None:
         """End the server and everything it started (SIGTERM to the wrapper, which ends vLLM's group)."""
