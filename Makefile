@@ -24,14 +24,17 @@ $(VENV)/.installed: requirements.txt requirements-model.txt
 
 # vLLM for CPUs in a venv of its own (its transformers is not the trainer's; requirements-vllm.txt says why), as ART
 # keeps its vLLM runtime apart. --no-deps: the file is the whole pinned resolution, less what breaks the CPU torch.
-$(VLLM_VENV)/.installed: requirements-vllm.txt
+# The plugin (email_agent/backends/vllm_plugin) makes vLLM's CPU LoRA matmuls one per adapter, not one per token.
+VLLM_PLUGIN := email_agent/backends/vllm_plugin
+$(VLLM_VENV)/.installed: requirements-vllm.txt $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/email_agent_vllm_cpu.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --no-deps -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --no-deps --no-build-isolation ./$(VLLM_PLUGIN)
 	touch $@
 
 # Build the demo inbox, train the CPU agent on it, evaluate it beside the base model and its warm start (step 1).
-demo: $(VENV)/.installed  # the main job serves with the CPU backend's engine: it needs no .venv-vllm
+demo: setup  # the main job serves with vLLM (.venv-vllm)
 	$(PY) train_email_search_agent.py build-db --demo
 	$(PY) train_email_search_agent.py train --demo
 	$(PY) test_email_search_agent.py --demo --model base --model demo@1 --model demo --limit 50 --grounded-answers --output eval/demo

@@ -71,6 +71,7 @@ async def evaluate(args) -> int:
     options = evaluation.Options(art_dir=args.art_dir, base_model=args.base_model, base_url=args.base_url,
                                  api_key=args.api_key, temperature=args.temperature, timeout=args.timeout,
                                  concurrency=args.concurrency, seed=args.seed,
+                                 cpu_lora_rank=evaluation.cpu_lora_rank(args.model, args.art_dir),
                                  shape=dict(max_turns=args.max_turns, max_tokens=args.max_tokens,
                                             max_body_chars=args.max_body_chars, search_results=args.search_results))
     records: list[dict] = []

@@ -1,12 +1,12 @@
 """Throughput of the CPU backend (a script that prints figures; not a test).
 
 (a) Trainer: trained tokens/s of `CPUBackend.train` on a fixed batch of tool-using trajectories sampled
-    through the backend's own server, beside two bare forward+backward loops over the same token rows
+    through the backend's vLLM server, beside two bare forward+backward loops over the same token rows
     with the same LoRA (see `bare_loops`): one doing the same model work as the trainer (shared prefix
     once, untrained segments without gradient, logits at assistant positions only), which gives the trainer's overhead (target: train /
     equal-work >= 0.7), and the plain transformers loop (all logits, whole rows), which gives the
     speed-up over the textbook approach.
-(b) Server: generated tokens/s at concurrency 1 and 8 (fixed max_tokens, ignore_eos), and the ratio.
+(b) Server (vLLM): generated tokens/s at concurrency 1 and 8 (fixed max_tokens, ignore_eos), and the ratio.
     Target: 8 concurrent >= 3x single stream.
 
     .venv/bin/python bench/bench_cpu_backend.py        (~4 minutes on 2 cores)
@@ -153,7 +153,7 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
         timings[name] = (sum(lengths), time.monotonic() - started)
         peft.zero_grad(set_to_none=True)
     peft.eval()
-    torch.set_num_threads(1)  # the worker's setting for generation
+    torch.set_num_threads(1)
     return timings
 
 
@@ -189,7 +189,7 @@ async def main() -> None:
             print(f"sampled {sum(len(g.trajectories) for g in groups)} tool-using trajectories "
                   f"(2 assistant turns of {SAMPLED_TOKENS} tokens each) in {time.monotonic() - started:.0f}s")
             groups = training_data.for_grpo(groups, "string")  # as the training loop hands them over
-            bare = await backend.worker.call(bare_loops, backend, groups)
+            bare = await backend.call(bare_loops, backend, groups)
             result = await backend.train(model, groups, learning_rate=1e-5)
 
     train_rate = result.metrics["throughput/trainer_tokens_per_s"]

@@ -1,7 +1,7 @@
 """Evaluation: who plays, served the way it was trained; checked before it plays; what one answer records.
 
 Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
-`Contestant` with a ready policy (a run on its own backend: CPU in-process, ART's LocalBackend / vLLM, W&B
+`Contestant` with a ready policy (a run on its own backend: CPU on one vLLM server per base model, ART's LocalBackend / vLLM, W&B
 Serverless or Tinker; the untrained base model on CPU; a prompted model behind an OpenAI-compatible
 endpoint); `probe`, one cheap request that fails fast on an unreachable server, a refused key or an unknown
 model; the result record of one question x model (`make_record`, read by `report` and `sft`) and
@@ -50,6 +50,8 @@ class Options:
     concurrency: int = 8  # rollouts in flight per model (and the CPU server's decoding batch)
     seed: int = 0
     shape: dict = field(default_factory=dict)  # episode-shape fields given as flags: they override every run's
+    log_dir: str | None = None  # where the CPU path's vLLM writes its log (default: <art_dir>/logs)
+    cpu_lora_rank: int = 8  # the largest LoRA the CPU path's vLLM must hold (`cpu_lora_rank`)
 
 
 @dataclass
@@ -98,13 +100,21 @@ def check_flags(args) -> None:
         raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """(name, step) of a --model value: RUN@STEP is a run's step; a provider/model name is whole, an `@` in it
+    included (ART serves checkpoints as name@step: hosted_vllm/agent@7)."""
+    name, _, step = spec.partition("@")
+    return (spec, "") if "/" in name else (name, step)
+
+
 def check_specs(specs: list[str], art_dir: str) -> None:
     """What can be told of the --model values before any model is served (a model loads in seconds on CPU,
     minutes on a GPU): a step that is not one, and one checkpoint asked for under two names (RUN and RUN@N where
     N is its latest step). The checks of `open_contestant` stay: `ask` and other callers serve one model."""
     labels = {}
     for spec in specs:
-        name, at, step = spec.partition("@")
+        name, step = split_spec(spec)
+        at = "@" in spec and name != spec
         if at and not step:
             raise DataError(f"--model {spec}: give a step after '@' (a number or 'latest'), or leave '@' out")
         run = find_run(name, art_dir)
@@ -126,10 +136,10 @@ class Schedule:
     """Who plays when. Each model plays at most `concurrency` episodes at once, each from its first turn to its
     last. (Started all together, a model's episodes queue their requests turn by turn, none ends until nearly all
     have played every turn, and the CPU server's prefix cache, too small for them all, misses: bench_enron's
-    evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU play
-    `cpu_at_once` at a time (default: one per core, as each server decodes on one thread), the next starting when
-    one has played all its episodes; GPU, remote and prompted models play alongside. (Three CPU servers on two
-    cores ran slower than one, each holding its own key/value caches; one at a time left a core idle.)"""
+    evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU (all by one vLLM
+    server) play `cpu_at_once` at a time (default: one per core), the next starting when one has played all its
+    episodes; GPU, remote and prompted models play alongside. (With a server per model, as the CPU path had
+    before vLLM, three on two cores ran slower than one; one at a time left a core idle.)"""
 
     def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int,
                  cpu_at_once: int | None = None) -> None:
@@ -171,7 +181,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
     from .rollout import Policy
 
     check_specs([spec], options.art_dir)
-    name, _, step = spec.partition("@")
+    name, step = split_spec(spec)
     common = dict(max_concurrency=options.concurrency, temperature=options.temperature)
     run = find_run(name, options.art_dir)
     if run is not None:
@@ -180,7 +190,8 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
             number, ckpt = run.checkpoint(step)
             label = f"{run.name}@{number}"
             try:
-                client = await serve_on_cpu(run.base_model, ckpt, label, options, stack)
+                client, _ = await serve_on_cpu(run.base_model, ckpt, label, options, stack,
+                                               lora_rank=run.config.get("lora_rank", 8))
             except DataError as exc:
                 others = [str(n) for n in run.steps() if n != number]
                 raise DataError(f"{exc}" + (f" The run's other checkpoints: {', '.join(others)} (--model "
@@ -193,8 +204,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
 
     shape = (default_shape or EpisodeShape()).override(**options.shape)
     if name == "base":  # check_specs refused base@N
-        label = f"base:{Path(options.base_model).name}"
-        client = await serve_on_cpu(options.base_model, None, label, options, stack)
+        client, label = await serve_on_cpu(options.base_model, None, None, options, stack)
         return Contestant(label, Policy(client, label, max_tokens=shape.max_tokens, **common), shape, "cpu")
 
     provider, _, model = name.partition("/")
@@ -216,19 +226,63 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
     return Contestant(spec, policy, shape, "api", price_model=name)
 
 
-async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str, options: Options,
-                       stack: contextlib.AsyncExitStack):
+async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str | None, options: Options,
+                       stack: contextlib.AsyncExitStack, lora_rank: int = 8):
+    """(client, model name) on the one vLLM server of `base_model` in this evaluation (`stack`): the base model
+    under the server's name for it, a checkpoint a LoRA loaded into it as `label`. The first call starts it."""
     from openai import AsyncOpenAI
 
-    from .backends.cpu import CheckpointError, serve_checkpoint
+    from .backends.cpu import CheckpointError
+    from .backends.cpu.checkpoints import check_adapter
 
-    try:
-        base_url = await stack.enter_async_context(
-            serve_checkpoint(base_model, None if checkpoint is None else str(checkpoint), label, seed=options.seed,
-                             max_batch_size=options.concurrency))
-    except CheckpointError as exc:
-        raise DataError(str(exc)) from None
-    return AsyncOpenAI(base_url=base_url, api_key="local", timeout=options.timeout, max_retries=2)
+    servers = _CPU_SERVERS.setdefault(stack, {})
+    if base_model not in servers:
+        servers[base_model] = asyncio.ensure_future(_start_cpu_server(base_model, options, stack, lora_rank))
+    server = await servers[base_model]
+    if checkpoint is not None:
+        try:
+            check_adapter(str(checkpoint))
+        except CheckpointError as exc:
+            raise DataError(str(exc)) from None
+        await server.load_lora(label, str(checkpoint))
+    client = AsyncOpenAI(base_url=server.base_url, api_key="local", timeout=options.timeout, max_retries=2)
+    return client, label if checkpoint is not None else server.served_name
+
+
+def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
+    """The LoRA rank the CPU path's vLLM must hold for these --model values: the largest CPU run's (vLLM sizes every
+    LoRA slot by it, and slots of rank 64 made a rank-8 adapter's evaluation 20% slower: bench_vllm.py)."""
+    ranks = [8]
+    for spec in specs:
+        run = find_run(split_spec(spec)[0], art_dir)
+        if run is not None and run.backend == "cpu":
+            ranks.append(run.config.get("lora_rank", 8))
+    return max(ranks)
+
+
+def cpu_served_name(base_model: str) -> str:
+    """What the CPU path calls an untrained base model (evaluation's `base`, the CPU backend's server)."""
+    return f"base:{Path(base_model).name}"
+
+
+async def _start_cpu_server(base_model: str, options: Options, stack: contextlib.AsyncExitStack, lora_rank: int):
+    from .backends.cpu import load_base_model, served_model_dir
+    from .backends.vllm_server import VLLMServer
+
+    _, tokenizer = await asyncio.to_thread(load_base_model, base_model)  # its tool chat template
+    log = Path(options.log_dir or Path(options.art_dir) / "logs") / "vllm-evaluation.log"
+    server = VLLMServer(served_model_dir(base_model), cpu_served_name(base_model),
+                        chat_template=tokenizer.chat_template, log_path=log,
+                        lora_rank=max(lora_rank, options.cpu_lora_rank),
+                        max_num_seqs=max(32, options.concurrency * 3), seed=options.seed)
+    stack.push_async_callback(server.close)
+    server.start()
+    await server.wait_ready()
+    return server
+
+
+# The vLLM server of each base model, per evaluation (one AsyncExitStack): every CPU contestant plays on it.
+_CPU_SERVERS: "weakref.WeakKeyDictionary[contextlib.AsyncExitStack, dict]" = weakref.WeakKeyDictionary()
 
 
 # The ART models registered per evaluation (one AsyncExitStack): several steps of one run share its backend,

@@ -197,7 +197,7 @@ def merged_model(run: Run, checkpoint: Path, base_model: str | None):
         log.info("loading %s as the CPU backend trained on it (float32)", run.base_model)
         model, tokenizer = load_base_model(run.base_model)
         model = load_merged(model, str(checkpoint))  # a CheckpointError (a DataError) if it does not fit
-        model.set_attn_implementation("sdpa")  # the CPU engine's own attention is registered in this process only
+        model.set_attn_implementation("sdpa")  # the trainer's own attention is registered in this process only
         return model, tokenizer
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -80,3 +80,33 @@ def qwen_style_model_dir(smollm2_tokenizer, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("qwen-style")
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_vllm(request, tmp_path_factory):
+    """One vLLM server for the whole session, for every CPU run the slow tests make (in this process and in the
+    commands they start): each would otherwise start its own, a minute each on two cores. Started when the
+    session collects a slow test and vLLM is installed; users of it wait until it answers. Tests that must see a
+    server start and end with its owner unset EMAIL_AGENT_VLLM_URL."""
+    import asyncio
+    import os
+
+    from email_agent.backends import CPU_BASE_MODEL
+    from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, served_model_dir
+    from email_agent.backends.vllm_server import URL_ENV, VLLM_PYTHON, VLLMServer
+    from email_agent.evaluation import cpu_served_name
+
+    wanted = any(item.get_closest_marker("slow") for item in request.session.items)
+    if not wanted or URL_ENV in os.environ or not VLLM_PYTHON.is_file():
+        yield None
+        return
+    # rank 64 holds any test run's LoRA; the served name is the one the CLI's default base model gets
+    server = VLLMServer(served_model_dir("smollm2"), cpu_served_name(CPU_BASE_MODEL), chat_template=TOOL_CHAT_TEMPLATE,
+                        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", lora_rank=64, max_loras=4)
+    server.start()
+    os.environ[URL_ENV] = server.base_url
+    try:
+        yield server
+    finally:
+        os.environ.pop(URL_ENV, None)
+        asyncio.run(server.close())

@@ -1,31 +1,28 @@
-"""CPU backend: tool-call parsing, the tool chat template, the OpenAI-compatible server, a GRPO step
-through ART's own loss, SFT, checkpoints (atomic, resumable, corrupt ones refused) and clean shutdown.
+"""CPU backend: the tool chat template, SmolLM2's kept conversion, a GRPO step through ART's own loss served by
+vLLM, SFT, checkpoints (atomic, resumable, corrupt ones refused) and clean shutdown (vLLM ends with it).
 
-Tests marked slow load SmolLM2-135M once per process (~25 s) and share one event loop and one served
-backend; training tests get their own backend in a temporary directory.
+Tests marked slow load SmolLM2-135M once per process and share one event loop and one registered backend;
+training tests get their own backend in a temporary directory. vLLM is the test session's server
+(EMAIL_AGENT_VLLM_URL, tests/conftest.py), except where a test starts its own to see it end.
 """
 
 import asyncio
 import copy
 import json
 import logging
-import math
-import types
 import socket
 import threading
-import time
 import urllib.parse
 
 import pytest
 
-from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, parse_tool_calls, serve_checkpoint
-from email_agent.backends.cpu import engine, load_base_model
+from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, load_base_model
 from email_agent.backends.cpu import model as model_module
-from email_agent.backends.cpu.engine import GrowingLayer, PrefixCache, propose_draft, verify
+from email_agent.backends.vllm_server import URL_ENV
 from email_agent.training_data import for_grpo
 from email_agent.data import DataError
+from hermes_calls import parse_tool_calls
 
-import aiohttp  # noqa: E402  (after cpu: it sets the offline litellm default before art loads)
 import art  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
@@ -44,54 +41,7 @@ QUESTION = {"role": "user", "content": "When is the budget meeting with Sally?"}
 
 
 # ----------------------------------------------------------------------------------------------
-# Tool-call parsing
-# ----------------------------------------------------------------------------------------------
-
-def test_parse_valid_call():
-    content, calls = parse_tool_calls('<tool_call>\n{"name": "search_emails", "arguments": {"keywords": ["x"]}}\n'
-                                      '</tool_call>')
-    assert content is None
-    assert calls == [{"id": "call_0", "type": "function",
-                      "function": {"name": "search_emails", "arguments": '{"keywords": ["x"]}'}}]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"keywords": ["x"]}
-
-
-def test_arguments_written_as_a_string_stay_a_string_as_vllm_parses_them():
-    """A model taught double-encoded arguments writes "arguments": "{...}": vLLM's hermes parser encodes that
-    string again, so the tool sees a string, not an object (the CPU server must not be more lenient)."""
-    _, calls = parse_tool_calls('<tool_call>\n{"name": "read_email", "arguments": "{\\"message_id\\": \\"x\\"}"}\n'
-                                '</tool_call>')
-    assert json.loads(calls[0]["function"]["arguments"]) == '{"message_id": "x"}'
-
-
-def test_parse_invalid_json_keeps_raw_arguments():
-    content, calls = parse_tool_calls('<tool_call>{"name": "read_email", "arguments": {"id": 12,}</tool_call>')
-    assert content is None and len(calls) == 1
-    assert calls[0]["function"]["name"] == "read_email"
-    assert calls[0]["function"]["arguments"] == '{"name": "read_email", "arguments": {"id": 12,}'
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(calls[0]["function"]["arguments"])
-
-
-def test_parse_several_calls_and_text():
-    text = ('Let me look.\n<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>\n'
-            '<tool_call>{"name": "b", "arguments": "{\\"q\\": \\"é\\"}"}</tool_call>')
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me look."
-    assert [c["id"] for c in calls] == ["call_0", "call_1"]
-    assert [c["function"]["name"] for c in calls] == ["a", "b"]
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"k": 1}, '{"q": "é"}']  # as vLLM parses
-
-
-def test_parse_no_call_and_unclosed_call():
-    assert parse_tool_calls("The meeting is on Friday.") == ("The meeting is on Friday.", [])
-    assert parse_tool_calls("") == (None, [])
-    content, calls = parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {}}')  # cut at max_tokens
-    assert content is None and calls[0]["function"] == {"name": "a", "arguments": "{}"}
-
-
-# ----------------------------------------------------------------------------------------------
-# Chat template (rendered by transformers' own Jinja renderer, no model needed)
+# The tool chat template vLLM serves SmolLM2 with
 # ----------------------------------------------------------------------------------------------
 
 def render(messages, tools=None, add_generation_prompt=False):
@@ -189,8 +139,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def served(loop, tmp_path_factory):
-    """Served in float32, where batching, prefix reuse and speculation must not change a logprob; bfloat16 (the
-    default on CPUs with AMX) keeps the tokens but not the last digits (test_bfloat16_serving_...)."""
+    """A registered backend whose trainer works in float32, where a logprob must match one pass exactly."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
         backend = CPUBackend(path=str(tmp_path_factory.mktemp("served")), train_threads=1)
@@ -210,377 +159,24 @@ async def ask(model, messages, **kwargs) -> Choice:
     return response.choices[0]
 
 
-@pytest.mark.slow
-def test_server_answers_tool_request_in_openai_format(loop, served):
-    _, model = served
-
-    async def run():
-        response = await client_for(model).chat.completions.create(
-            model=model.get_inference_name(), messages=[SYSTEM, QUESTION], tools=[SEARCH_TOOL],
-            max_completion_tokens=24, temperature=1.0, seed=3)
-        models = await client_for(model).models.list()
-        return response, [m.id for m in models.data]
-
-    response, served_names = loop.run_until_complete(run())
-    assert served_names == ["agent@0"] and response.model == "agent@0"
-    choice = response.choices[0]
-    assert choice.message.role == "assistant"
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls)
-    tokens = choice.logprobs.content
-    assert len(tokens) == response.usage.completion_tokens > 0
-    assert all(t.token.startswith("token_id:") and int(t.token.split(":")[1]) >= 0 for t in tokens)
-    assert all(t.logprob <= 0 and math.isfinite(t.logprob) for t in tokens)
-    assert response.usage.prompt_tokens > 100  # the tool schema is in the prompt
-    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
-
-
-@pytest.mark.slow
-def test_server_rejects_bad_requests_and_keeps_serving(loop, served):
-    _, model = served
-
-    async def run():
-        client = client_for(model)
-        with pytest.raises(openai.NotFoundError):
-            await client.chat.completions.create(model="nobody@0", messages=[QUESTION])
-        with pytest.raises(openai.BadRequestError, match="n=1"):
-            await client.chat.completions.create(model=model.get_inference_name(), messages=[QUESTION], n=2)
-        with pytest.raises(openai.BadRequestError, match="context length"):
-            await client.chat.completions.create(model=model.get_inference_name(), messages=[
-                {"role": "user", "content": "word " * 9000}])
-        async with aiohttp.ClientSession() as session:
-            url = model.inference_base_url + "/chat/completions"
-            async with session.post(url, data=b"{not json", headers={"Content-Type": "application/json"}) as r:
-                malformed = r.status, await r.json()
-            async with session.post(url, json={"model": model.get_inference_name(), "messages": "hi"}) as r:
-                bad_messages = r.status, await r.json()
-        return malformed, bad_messages, await ask(model, [QUESTION], max_tokens=4)
-
-    malformed, bad_messages, choice = loop.run_until_complete(run())
-    assert malformed[0] == 400 and "not valid JSON" in malformed[1]["error"]["message"]
-    assert bad_messages[0] == 400 and "messages" in bad_messages[1]["error"]["message"]
-    assert len(choice.logprobs.content) >= 1  # still serving
-
-
-@pytest.mark.slow
-def test_concurrent_requests_batch_without_changing_results(loop, served):
-    _, model = served
-    prompts = [[SYSTEM, QUESTION], [{"role": "user", "content": "Write a haiku about snow."}],
-               [{"role": "user", "content": "hi"}], [SYSTEM, {"role": "user", "content": "Who sent the memo?"}]]
-
-    async def run():
-        together = await asyncio.gather(*(ask(model, p, temperature=0, max_tokens=12) for p in prompts))
-        alone = [await ask(model, p, temperature=0, max_tokens=12) for p in prompts]
-        return together, alone
-
-    together, alone = loop.run_until_complete(run())
-    for a, b in zip(together, alone):
-        assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.content, b.logprobs.content)) < 1e-3
-
-
-@pytest.mark.slow
-def test_bfloat16_serving_keeps_the_float32_greedy_tool_call(loop, served, monkeypatch):
-    """The same checkpoint served in bfloat16 (faster prefill, half the bytes per token) starts its answer to a tool
-    request with the float32 tokens (later ones may part at a near tie), with logprobs close to float32's."""
-    _, model = served
-    messages = [SYSTEM, QUESTION]
-    reference = loop.run_until_complete(ask(model, messages, tools=[SEARCH_TOOL], temperature=0, max_tokens=8))
-    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "bfloat16")
-
-    async def in_bfloat16():
-        async with serve_checkpoint("smollm2", None, "bf16") as base_url:
-            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
-            response = await client.chat.completions.create(model="bf16", messages=messages, tools=[SEARCH_TOOL],
-                                                            temperature=0, max_tokens=8, logprobs=True)
-            return response.choices[0]
-
-    fast = loop.run_until_complete(in_bfloat16())
-    assert [t.token for t in fast.logprobs.content] == [t.token for t in reference.logprobs.content]
-    assert max(abs(x.logprob - y.logprob) for x, y in zip(fast.logprobs.content, reference.logprobs.content)) < 0.25
-
-
-@pytest.mark.slow
-def test_models_served_at_once_share_the_prefill_threads(loop, served, monkeypatch):
-    """Two models with work at once (an evaluation's contestants) never ask for more threads than cores; once
-    one has nothing left to do, the other prefills on all of them."""
-    _, model = served
-    asked = []
-    real = torch.set_num_threads
-    monkeypatch.setattr(engine.torch, "set_num_threads", lambda n: (asked.append(n), real(n)))
-    monkeypatch.setattr(engine, "PREFILL_THREADS", 2)
-
-    def prefill_threads(prompt: str) -> int:
-        asked.clear()
-        loop.run_until_complete(ask(model, [{"role": "user", "content": prompt}], temperature=0, max_tokens=1))
-        return max(asked)
-
-    alone = prefill_threads("Which room is the workshop in?")
-    other = engine.Worker(max_batch_size=1, name="second-model")
-    started, release = threading.Event(), threading.Event()
-
-    def hold() -> None:  # keeps the other worker busy until released
-        started.set()
-        release.wait()
-    try:
-        holding = loop.create_task(other.call(hold))
-        loop.run_until_complete(asyncio.to_thread(started.wait))
-        shared = prefill_threads("Which day is the kickoff?")
-        release.set()
-        loop.run_until_complete(holding)
-        deadline = time.monotonic() + 10
-        while other in engine._busy_workers and time.monotonic() < deadline:  # it marks itself idle just after
-            time.sleep(0.01)
-        other_idle = prefill_threads("Who approved the budget?")
-    finally:
-        release.set()
-        other.close()
-    assert (alone, shared, other_idle, prefill_threads("Who signed the lease?")) == (2, 1, 2, 2)
-
-
-@pytest.mark.slow
-def test_follow_up_turn_reuses_cached_prefix_with_identical_results(loop, served):
-    backend, model = served
-    cache = backend.worker.prefix_cache
-    first_turn = [SYSTEM, QUESTION]
-    follow_up = [SYSTEM, QUESTION, assistant_call('{"keywords": ["budget", "Sally"]}'),
-                 {"role": "tool", "tool_call_id": "call_0", "content": '[{"message_id": "<1@x>", "subject": "Budget"}]'}]
-
-    async def run():
-        first = await ask(model, first_turn, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
-        reused_before = cache.hit_tokens
-        cached = await ask(model, follow_up, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
-        reused = cache.hit_tokens - reused_before
-        await backend.worker.call(cache.clear)
-        fresh = await ask(model, follow_up, tools=[SEARCH_TOOL], temperature=0, max_tokens=8)
-        return first, reused, cached, fresh
-
-    first, reused, cached, fresh = loop.run_until_complete(run())
-    assert reused > 100  # at least the tool block and the question
-    assert [t.token for t in cached.logprobs.content] == [t.token for t in fresh.logprobs.content]
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(cached.logprobs.content, fresh.logprobs.content)) < 1e-4
-
-
-def test_prefix_cache_keeps_longest_entries_within_its_budget():
-    cache = PrefixCache(max_bytes=32)  # room for 4 tokens' keys and values (float32, one layer, one dim)
-
-    def layers(n):
-        return [(torch.full((1, 1, n, 1), float(n)), torch.full((1, 1, n, 1), float(n)))]
-
-    cache.store([1, 2], layers(2))
-    cache.store([1, 2, 3], layers(3))  # covers [1, 2]: that entry goes
-    assert list(cache.entries) == [(1, 2, 3)]
-    reused, kv = cache.longest([1, 2, 3, 4] * 10)
-    assert reused == 0 and kv is None  # shorter than MIN_REUSE
-    cache.MIN_REUSE = 1
-    reused, kv = cache.longest([1, 2, 9])
-    assert reused == 2 and kv[0][0].shape[2] == 2  # a view of the first two positions
-    reused, _ = cache.longest([1, 2, 3])
-    assert reused == 2  # the last prompt token is always computed, for its logits
-    cache.store([7, 8], layers(2))  # over budget: the least recently used entry goes
-    assert list(cache.entries) == [(7, 8)] and cache.bytes == 16
-
-@pytest.mark.skipif(engine._malloc_trim is None, reason="malloc_trim is glibc's; other C libraries have no such call")
-def test_worker_hands_memory_freed_in_its_thread_back_to_the_os():
-    """Catches the engine leaving freed KV buffers in glibc's per-thread arenas (an evaluation of three
-    checkpoints grew to 13.5 GiB around 4 GiB of live tensors): 300 MB freed in a thread stay resident until
-    the periodic trim, which runs at most every TRIM_SECONDS."""
-    process = psutil.Process()
-
-    def allocate_and_free():
-        blocks = [bytearray(64 * 1024) for _ in range(4800)]  # below the mmap threshold: from the arena heap
-        keep = blocks[-1]  # pins the heap's top, so only a trim of the middle gives memory back
-        del blocks
-        freed.append(keep)
-
-    freed: list = []
-    thread = threading.Thread(target=allocate_and_free)
-    thread.start()
-    thread.join()
-    before = process.memory_info().rss
-    now = time.monotonic()
-    assert engine.return_freed_memory(now + engine.TRIM_SECONDS)
-    assert not engine.return_freed_memory(now + engine.TRIM_SECONDS + 1)  # too soon after the last one
-    assert before - process.memory_info().rss > 200 * 2**20
-
-
-
-def test_growing_kv_layer_matches_concatenation_and_grows_past_its_room():
-    short, long = torch.randn(1, 3, 4, 8), torch.randn(2, 3, 6, 8)
-    layer = GrowingLayer([short, long], [short * 2, long * 2], width=6, headroom=2)
-    padded = torch.cat([torch.nn.functional.pad(short, (0, 0, 2, 0)), long])  # left padding is zeros
-    assert torch.equal(layer.keys, padded) and torch.equal(layer.values, padded * 2)
-    reference = padded
-    for _ in range(5):  # 2 positions of room, then it must grow
-        new = torch.randn(3, 3, 1, 8)
-        keys, values = layer.update(new, new * 2)
-        reference = torch.cat([reference, new], dim=2)
-        assert torch.equal(keys, reference) and torch.equal(values, reference * 2)
-        # Positions last: the transposed keys attention multiplies by are a plain strided matrix, which bfloat16
-        # matmul reads in place (a non-contiguous row-major view it would copy whole at every step).
-        assert keys.transpose(-1, -2).stride(-1) == 1
-    assert layer.get_seq_length() == 11
-
-
 # ----------------------------------------------------------------------------------------------
-# Speculative decoding (prompt lookup)
+# Training through ART's loss, each checkpoint served by vLLM
 # ----------------------------------------------------------------------------------------------
 
-def test_draft_copies_what_followed_the_latest_match_of_the_longest_suffix():
-    #        0  1  2  3  4  5  6  7  8  9 10 11 12 13
-    ids = [1, 2, 3, 4, 5, 9, 2, 3, 6, 7, 8, 1, 2, 3]
-    # [1, 2, 3] occurs at 0 only (followed by 4, 5, ...); [2, 3] alone would match later, at 6 (followed by 6).
-    assert propose_draft(ids, 4) == [4, 5, 9, 2]
-    assert propose_draft(ids, 2) == [4, 5]
-    assert propose_draft(ids[:9] + [2, 3], 3) == [6, 2, 3]  # [6, 2, 3] has no earlier match; [2, 3] at 6 wins
-    assert propose_draft([5, 6, 7, 6], 3) == [7, 6]  # down to one token, cut at the end of the sequence
-    assert propose_draft([5, 6, 7, 8], 3) == []  # no earlier occurrence of the last token
-    assert propose_draft(ids, 0) == [] and propose_draft([4], 3) == []
-
-
-def test_greedy_verification_accepts_the_argmax_prefix_then_the_model_token():
-    logits = torch.tensor([[0.0, 3.0, 1.0, 0.0],   # argmax 1
-                           [0.0, 0.0, 0.0, 5.0],   # argmax 3
-                           [2.0, 0.0, 1.0, 0.0],   # argmax 0
-                           [0.0, 0.0, 0.0, 0.0]])
-    generator = torch.Generator().manual_seed(0)
-    logprobs = torch.log_softmax(logits, -1)
-    assert verify(logits, [1, 3, 2], 0.0, 1.0, generator) == [
-        (1, float(logprobs[0, 1])), (3, float(logprobs[1, 3])), (0, float(logprobs[2, 0]))]  # 2 rejected
-    assert verify(logits[:3], [1, 3], 0.0, 1.0, generator) == [
-        (1, float(logprobs[0, 1])), (3, float(logprobs[1, 3])), (0, float(logprobs[2, 0]))]  # all + one more
-    assert verify(logits[:1], [], 0.0, 1.0, generator) == [(1, float(logprobs[0, 1]))]
-
-
-def test_sampled_verification_accepts_certain_drafts_and_never_emits_a_rejected_one():
-    logits = torch.tensor([[4.0, 0.0, 0.0, -1.0], [0.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    temperature, top_p = 0.7, 0.5  # top_p keeps only the leading token of rows 0 and 1
-    logprobs = torch.log_softmax(logits, -1)  # what ART is given: the model's own (temperature 1), unfiltered
-    for seed in range(20):
-        generator = torch.Generator().manual_seed(seed)
-        emitted = verify(logits, [0, 1], temperature, top_p, generator)
-        assert [t for t, _ in emitted[:2]] == [0, 1]  # p(draft) = 1 after top_p: always accepted
-        assert emitted[2][1] == float(logprobs[2, emitted[2][0]])
-        generator = torch.Generator().manual_seed(seed)
-        emitted = verify(logits, [3, 1], temperature, top_p, generator)
-        assert emitted == [(0, float(logprobs[0, 0]))]  # p(3) = 0: rejected, p without 3 leaves only 0
-
-
-def test_sampled_verification_keeps_the_model_distribution():
-    """Speculative sampling with a point-mass draft: the first emitted token is distributed as p whatever the
-    draft, and after an accepted draft token the next one is drawn from the next position's p."""
-    logits = torch.tensor([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]])
-    temperature, trials = 1.3, 6000
-    p = torch.softmax(logits / temperature, -1)
-    generator = torch.Generator().manual_seed(1)
-    first, second = torch.zeros(3), torch.zeros(3)
-    for _ in range(trials):
-        emitted = verify(logits, [1], temperature, 1.0, generator)
-        first[emitted[0][0]] += 1
-        if len(emitted) == 2:
-            second[emitted[1][0]] += 1
-    tolerance = 4 * (p * (1 - p) / trials).sqrt()  # four standard errors
-    assert ((first / trials - p[0]).abs() < tolerance[0]).all(), (first / trials, p[0])
-    assert first[1] == second.sum()  # accepted draft tokens, each followed by one model token
-    assert ((second / second.sum() - p[1]).abs() < 4 * (p[1] * (1 - p[1]) / second.sum()).sqrt()).all()
-
-
-def test_emitted_run_stops_where_one_token_decoding_would():
-    worker = types.SimpleNamespace(stop_ids={2})
-    batch = engine._Batch(worker)
-
-    def row(max_new_tokens, ignore_eos=False):
-        return engine.Generation([1], max_new_tokens, 0.0, 1.0, ignore_eos, None, None, None,
-                                 tokens=[1], logprobs=[0.0])
-
-    emitted = [(5, -0.1), (2, -0.2), (7, -0.3)]
-    stopped, cut, through = row(10), row(3), row(10, ignore_eos=True)
-    for generation in (stopped, cut, through):
-        batch._emit(generation, emitted)
-    assert stopped.tokens == [1, 5, 2] and stopped.logprobs == [0.0, -0.1, -0.2] and stopped.finish_reason == "stop"
-    assert cut.tokens == [1, 5, 2] and cut.finish_reason == "stop"
-    assert through.tokens == [1, 5, 2, 7] and through.finish_reason is None
-    batch._emit(through, emitted)
-    assert through.tokens == [1, 5, 2, 7, 5, 2, 7] and through.finish_reason is None
-    short = row(3, ignore_eos=True)
-    batch._emit(short, emitted)
-    assert short.tokens == [1, 5, 2] and short.finish_reason == "length"
-
-
-def test_compaction_right_aligns_each_rows_valid_keys_and_values():
-    batch = engine._Batch(types.SimpleNamespace(stop_ids=set()))
-    batch.rows = [engine.Generation([1], 8, 0.0, 1.0, False, None, None, types.SimpleNamespace(cancelled=lambda: False))
-                  for _ in range(2)]
-    batch.mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0]])  # rejected drafts left holes
-    keys = torch.randn(2, 3, 6, 4)
-    batch.cache = engine._cache([[keys]], [[keys * 2]], 6, batch.rows)
-    batch._retire()
-    assert batch.mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
-    layer = batch.cache.layers[0]
-    assert torch.equal(layer.keys[0, :, 1:], keys[0, :, [1, 2, 4]]) and torch.equal(layer.keys[1], keys[1, :, :4])
-    assert torch.equal(layer.values, layer.keys * 2)
-    new = torch.randn(2, 3, 1, 4)
-    assert torch.equal(layer.update(new, new)[0][:, :, -1:], new)  # still grows in place
-    batch.mask = torch.tensor([[0, 1, 0, 1, 1], [1, 1, 1, 1, 1]])  # a full row: compacting would gain nothing
-    batch._retire()
-    assert batch.mask.shape == (2, 5)
-
-
-@pytest.mark.slow
-def test_speculation_keeps_greedy_tokens_and_logprobs(loop, served, monkeypatch):
-    """Concurrent requests of different lengths that copy from their prompts: the same tokens and logprobs with
-    speculation (compacting the cache at every step, or only past HOLE_SHARE) as one token per forward."""
-    _, model = served
-    message_id, body = "<demo.000201@larkspur.example>", ("Hi team, the quarterly budget meeting with Sally moves "
-                                                          "to Friday at 3pm in room 4B. Bring the Q3 forecast.")
-    prompts = [[{"role": "user", "content": "Repeat exactly: <a.17@corp.example>"},
-                {"role": "assistant", "content": "<a.17@corp.example>"},
-                {"role": "user", "content": f"Repeat exactly: {message_id}"}],
-               [{"role": "user", "content": f"Copy this text exactly: {body}"}],
-               [{"role": "user", "content": "Continue the list up to 20: 1, 2, 3, 4, 5, 6, 7, 8"}],
-               [{"role": "user", "content": 'Output this JSON exactly: {"name": "read_email", "arguments": '
-                                            f'{{"message_id": "{message_id}"}}}}'}],
-               [SYSTEM, QUESTION]]
-    lengths = [24, 40, 30, 36, 16]
-
-    async def run():
-        return await asyncio.gather(*(ask(model, p, temperature=0, max_tokens=n) for p, n in zip(prompts, lengths)))
-
-    def decode():
-        before = engine.stats.copy()
-        choices = loop.run_until_complete(run())
-        return choices, engine.stats - before
-
-    monkeypatch.setattr(engine, "HOLE_SHARE", 0.0)
-    compacting, compacting_stats = decode()
-    monkeypatch.undo()
-    speculative, speculative_stats = decode()
-    monkeypatch.setattr(engine, "DRAFT_TOKENS", 0)
-    plain, plain_stats = decode()
-    assert plain_stats["drafted"] == 0 and plain_stats["tokens"] == plain_stats["row_forwards"]
-    for run_stats in (compacting_stats, speculative_stats):
-        assert run_stats["accepted"] > 10 and run_stats["forwards"] < plain_stats["forwards"], run_stats
-    assert compacting_stats["compactions"] >= 1
-    for choices in (compacting, speculative):
-        for a, b in zip(choices, plain):
-            assert [t.token for t in a.logprobs.content] == [t.token for t in b.logprobs.content]
-            assert a.finish_reason == b.finish_reason
-            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.content, b.logprobs.content)) < 1e-4
-    assert plain[0].message.content == message_id and plain[1].message.content == body  # copied from the prompt
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
-
-def completion_logprob(backend, messages, choice) -> float:
-    """Sum of log p(sampled tokens | prompt) under the backend's current LoRA, measured directly."""
+def completion_logits(backend, messages, choice) -> tuple[torch.Tensor, list[int]]:
+    """(the trainer's logits at each sampled position under its current LoRA, the sampled token ids)."""
     tokenizer = backend.trainer.tokenizer
     prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                               add_special_tokens=False)
     completion = [int(t.token.split(":")[1]) for t in choice.logprobs.content]
     with torch.no_grad():
         logits = backend.trainer.peft(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+    return logits, completion
+
+
+def completion_logprob(backend, messages, choice) -> float:
+    """Sum of log p(sampled tokens | prompt) under the backend's current LoRA, measured directly."""
+    logits, completion = completion_logits(backend, messages, choice)
     return float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None]).sum())
 
 
@@ -613,23 +209,23 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
         flat_result = await backend.train(model, [flat], learning_rate=1e-3)
         weights, step = lora_weights(backend), await model.get_step()
         optimizer = backend.trainer.optimizer.state_dict()
+        served_after = [m.id for m in (await client_for(model).models.list()).data]
         # ART's Backend protocol method (model.delete_checkpoints picks the steps from a val metric).
         await backend._delete_checkpoint_files(model, [1, 2])
         await backend.close()
-        # The evaluation path: the same checkpoint served on its own answers the same, greedily.
-        checkpoint = tmp_path / "test" / "models" / "agent" / "checkpoints" / "0001"
-        async with serve_checkpoint("smollm2", str(checkpoint), "agent-eval") as base_url:
-            client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
-            evaluated = (await client.chat.completions.create(
-                model="agent-eval", messages=messages, temperature=0, max_tokens=8, logprobs=True)).choices[0]
-        assert [t.token for t in evaluated.logprobs.content] == [t.token for t in greedy.logprobs.content]
+        # served as it was trained: vLLM's greedy tokens are the trainer's argmax (bfloat16 serving; a close call
+        # may differ, so the first four)
+        logits, greedy_ids = completion_logits(backend, messages, greedy)
+        assert logits.argmax(-1).tolist()[:4] == greedy_ids[:4]
         sampled = sum(len(c.logprobs.content) for c in (good, bad))
-        return result, flat_result, before, after, served_names, weights, step, optimizer, sampled
+        return result, flat_result, before, after, served_names, served_after, weights, step, optimizer, sampled
 
-    result, flat_result, before, after, served_names, weights, step, optimizer, sampled = loop.run_until_complete(
-        first_run())
+    result, flat_result, before, after, served_names, served_after, weights, step, optimizer, sampled = \
+        loop.run_until_complete(first_run())
     assert after[0] > before[0] and after[1] < before[1], (before, after)
-    assert result.step == 1 and served_names == ["agent@1"]
+    # only the latest checkpoint is served (and the base model, under the server's name for it)
+    assert result.step == 1 and "agent@1" in served_names and "agent@0" not in served_names
+    assert "agent@2" in served_after and "agent@1" not in served_after
     # ART LocalBackend's keys, which the training loop's step line reads
     assert {"loss/train", "loss/grad_norm", "data/step_num_trajectories", "data/step_num_groups_trainable",
             "data/step_trainer_tokens", "time/step_trainer_s"} <= set(result.metrics)
@@ -667,7 +263,7 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
 
 
 def sampled_choice(message: dict, token_ids: list[int], finish_reason: str = "stop") -> Choice:
-    """A Choice as the engine returns it: the message and one logprob per sampled token id."""
+    """A Choice as vLLM returns it: the message and one logprob per sampled token id."""
     return Choice.model_validate({
         "index": 0, "finish_reason": finish_reason, "message": {"role": "assistant", **message},
         "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
@@ -750,9 +346,9 @@ def test_sft_trains_on_assistant_turns(loop, tmp_path):
 
 
 @pytest.mark.slow
-def test_merged_weights_follow_each_step_in_place_and_serving_keeps_its_own_copy(loop, tmp_path, monkeypatch):
-    """The trainer's merged copy is updated in place after each optimizer step, to exactly what a fresh copy and
-    merge give; the server decodes with a copy made at publish time, which a later step leaves alone."""
+def test_merged_context_weights_follow_each_step_in_place(loop, tmp_path, monkeypatch):
+    """The trainer's merged copy (its context pass) is updated in place after each optimizer step, to exactly what
+    a fresh copy and merge give."""
     monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
     trajectory = art.Trajectory(messages_and_choices=[
         SYSTEM, QUESTION, assistant_call({"keywords": ["budget", "Sally"]}),
@@ -764,24 +360,22 @@ def test_merged_weights_follow_each_step_in_place_and_serving_keeps_its_own_copy
         backend = CPUBackend(path=str(tmp_path), train_threads=1)
         model = art.TrainableModel(name="merge", project="test", base_model="smollm2", report_metrics=[])
         await model.register(backend)
-        trainer, worker = backend.trainer, backend.worker
-        merged = trainer.context_model()
+        trainer = backend.trainer
+        merged = await backend.call(trainer.context_model)
         untrained = merged.state_dict()[name].clone()
         await model.train_sft([trajectory, trajectory], art.TrainSFTConfig(learning_rate=1e-3, batch_size=1))
-        served = worker.model
-        published = served.state_dict()[name].clone()
-        await worker.call(trainer.sft_batch, [trajectory], 1e-3)  # a third step, not published
-        current = await worker.call(trainer.context_model)
-        fresh = await worker.call(lambda: copy.deepcopy(trainer.peft).merge_and_unload())
+        after_two = (await backend.call(trainer.context_model)).state_dict()[name].clone()
+        await backend.call(trainer.sft_batch, [trajectory], 1e-3)
+        current = await backend.call(trainer.context_model)
+        fresh = await backend.call(lambda: copy.deepcopy(trainer.peft).merge_and_unload())
         await backend.close()
-        return merged, untrained, served, published, current, fresh
+        return merged, untrained, after_two, current, fresh
 
-    merged, untrained, served, published, current, fresh = loop.run_until_complete(run())
-    assert current is merged and served is not merged
-    assert not torch.equal(published, untrained) and not torch.equal(current.state_dict()[name], published)
+    merged, untrained, after_two, current, fresh = loop.run_until_complete(run())
+    assert current is merged
+    assert not torch.equal(after_two, untrained) and not torch.equal(current.state_dict()[name], after_two)
     for key, value in fresh.state_dict().items():
         assert torch.equal(current.state_dict()[key], value), key
-    assert torch.equal(served.state_dict()[name], published)  # unchanged by the unpublished step
 
 
 @pytest.mark.slow
@@ -865,8 +459,11 @@ def test_unknown_base_model_is_a_clear_error(loop, tmp_path):
 
 
 @pytest.mark.slow
-def test_close_frees_port_and_threads(loop, tmp_path):
-    threads_before = set(threading.enumerate())  # the module's served backend keeps its own worker
+def test_close_ends_its_vllm_and_frees_port_and_threads(loop, tmp_path, monkeypatch, session_vllm):
+    """A backend that started vLLM (no EMAIL_AGENT_VLLM_URL) ends it on close: a request under way fails, the port
+    closes, no process or trainer thread is left."""
+    monkeypatch.delenv(URL_ENV, raising=False)
+    threads_before = set(threading.enumerate())  # the module's served backend keeps its own trainer thread
 
     async def run():
         backend = CPUBackend(path=str(tmp_path))
@@ -885,5 +482,9 @@ def test_close_frees_port_and_threads(loop, tmp_path):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     assert not [t.name for t in set(threading.enumerate()) - threads_before if t.name.startswith("cpu-")]
     # tqdm's multiprocessing lock (first progress bar) starts Python's resource tracker; it is not ours.
-    children = [p.cmdline() for p in psutil.Process().children(recursive=True)]
+    shared = set()  # the test session's vLLM (tests/conftest.py), which this backend did not start
+    if session_vllm is not None:
+        wrapper = psutil.Process(session_vllm._process.pid)
+        shared = {wrapper.pid, *(p.pid for p in wrapper.children(recursive=True))}
+    children = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in shared]
     assert [c for c in children if "multiprocessing.resource_tracker" not in " ".join(c)] == []

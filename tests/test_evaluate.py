@@ -52,6 +52,18 @@ def test_report_for_two_scripted_models(demo_db_path, demo_questions, tmp_path, 
     assert "tool_choice required" in output.out
 
 
+def test_a_served_checkpoint_named_as_art_names_it_is_a_prompted_model(demo_db_path, demo_questions, tmp_path):
+    """ART (and this project's CPU path) serves a checkpoint as NAME@STEP: `hosted_vllm/agent@7` is that name on
+    the --base-url server, not step 7 of a run called hosted_vllm/agent."""
+    scripts = {"agent@7": {q.question: expert_script(q) for q in demo_questions}}
+    with serve_in_thread(scripts) as server:
+        rc = run_cli("--db", demo_db_path, "--model", "hosted_vllm/agent@7", "--base-url", server.base_url,
+                     "--limit", 6, "--output", tmp_path, "--art-dir", tmp_path / "art")
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())["models"]
+    assert summary["hosted_vllm/agent@7"]["accuracy"] == 1.0
+
+
 def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns():
     """Catches episodes all started at once (none ends until nearly all have played every turn, and the CPU
     server's prefix cache misses: no real-mail episode of 360 ended in ten minutes), more CPU-served models

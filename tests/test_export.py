@@ -1,12 +1,11 @@
 """`export`: a run's checkpoint as a PEFT LoRA folder, a merged transformers folder and a GGUF, each loadable by
-another runtime and each the same model the CPU engine serves (greedy tokens compared on real agent prompts);
+another runtime and each the same model as peft's LoRA on the base (greedy tokens compared on real agent prompts);
 and every refusal (unknown run or step, damaged checkpoint, an output folder in use, a format the run cannot
 have) before anything loads, leaving nothing behind.
 
 The slow tests load SmolLM2 and write a LoRA with deterministic non-zero weights through the CPU backend's own
 checkpoint writer; the GPU path's merge runs on a tiny randomly initialised Qwen2 built here."""
 
-import asyncio
 import json
 import random
 from pathlib import Path
@@ -220,21 +219,15 @@ def test_gpu_run_merges_its_lora_into_the_base_with_peft(tmp_path, monkeypatch):
     assert not torch.allclose(got, plain, atol=1e-2)  # the LoRA changes the model: the merge is not a no-op
 
 
-# ---- CPU runs: the three formats against the CPU engine, on real agent prompts ---------------------------
+# ---- CPU runs: the three formats against peft's LoRA on the base, on real agent prompts ------------------
 
 @pytest.fixture(scope="module")
-def float32_one_thread():
-    """The CPU engine and transformers in float32 (the exports are float32; the engine's bfloat16, where the CPU
-    has it, is a speed choice that changes last digits) and on one thread each (on a busy 2-core machine a
-    second OpenMP thread makes a 700-token prompt's greedy decoding several times slower, not faster)."""
-    from email_agent.backends.cpu import engine
-
+def one_thread():
+    """transformers on one thread (on a busy 2-core machine a second OpenMP thread makes a 700-token prompt's
+    greedy decoding several times slower, not faster)."""
     threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
-        patch.setattr(engine, "PREFILL_THREADS", 1)
-        torch.set_num_threads(1)
-        yield
+    torch.set_num_threads(1)
+    yield
     torch.set_num_threads(threads)
 
 
@@ -279,20 +272,18 @@ def agent_prompts(db) -> list[list[dict]]:
     return prompts
 
 
-async def engine_tokens(base_model: str, checkpoint, prompts, n: int) -> list[list[int]]:
-    """The first n greedy tokens of each prompt as the CPU backend's server and engine decode them."""
-    import openai
+def lora_tokens(base_model: str, checkpoint, prompts, n: int) -> list[list[int]]:
+    """The first n greedy tokens of each prompt from peft's (unmerged) LoRA of `checkpoint` on the float32 base, as
+    the trainer computes it (or from the base alone)."""
+    from peft import PeftModel
 
-    from email_agent.backends.cpu import serve_checkpoint
+    from email_agent.backends.cpu import load_base_model
 
-    async with serve_checkpoint(base_model, checkpoint and str(checkpoint), "agent") as base_url:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="local", max_retries=0)
-        tokens = []
-        for messages in prompts:
-            reply = await client.chat.completions.create(model="agent", messages=messages, tools=TOOLS,
-                                                         temperature=0, max_tokens=n, logprobs=True)
-            tokens.append([int(t.token.removeprefix("token_id:")) for t in reply.choices[0].logprobs.content])
-        return tokens
+    base, tokenizer = load_base_model(base_model)
+    model = PeftModel.from_pretrained(base, str(checkpoint)) if checkpoint else base
+    model.eval()
+    return [greedy(model, tokenizer.apply_chat_template(m, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False), n) for m in prompts]
 
 
 def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
@@ -304,15 +295,15 @@ def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def served(cpu_run, demo_db, float32_one_thread):
-    """(agent prompts, the first 20 greedy tokens the CPU engine serves for each from the run's checkpoint)."""
+def served(cpu_run, demo_db, one_thread):
+    """(agent prompts, the first 20 greedy tokens of each from the run's checkpoint: peft's LoRA on the base)."""
     prompts = agent_prompts(demo_db)
     checkpoint = cpu_run / "email-agent" / "models" / "agent" / "checkpoints" / "0003"
-    return prompts, asyncio.run(engine_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", checkpoint, prompts, 20))
+    return prompts, lora_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", checkpoint, prompts, 20)
 
 
 @pytest.mark.slow
-def test_merged_and_gguf_exports_give_the_cpu_engines_greedy_tokens(cpu_run, served, tmp_path):
+def test_merged_and_gguf_exports_give_the_loras_greedy_tokens(cpu_run, served, tmp_path):
     """The exact tokens, 20 per prompt, of a LoRA that changes them."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -320,7 +311,7 @@ def test_merged_and_gguf_exports_give_the_cpu_engines_greedy_tokens(cpu_run, ser
     from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE
 
     prompts, served = served
-    untrained = asyncio.run(engine_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", None, prompts, 20))
+    untrained = lora_tokens("HuggingFaceTB/SmolLM2-135M-Instruct", None, prompts, 20)
     assert served != untrained  # the LoRA changes what the agent says, so agreement below means something
 
     merged_dir = export("agent", "merged", tmp_path / "merged", art_dir=str(cpu_run))
@@ -345,7 +336,7 @@ def test_merged_and_gguf_exports_give_the_cpu_engines_greedy_tokens(cpu_run, ser
 
 @pytest.mark.slow
 def test_lora_export_loads_with_peft_and_says_which_base(cpu_run, served, tmp_path):
-    """peft's LoRA on the base gives the engine's tokens, which the merged export gives (above)."""
+    """The exported adapter, loaded by peft on the base, gives the checkpoint's tokens."""
     from peft import PeftModel
 
     from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, load_base_model

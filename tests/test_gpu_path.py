@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from email_agent import backends, training_data
 from email_agent import questions as qmod
-from email_agent.backends.cpu import parse_tool_calls
+from hermes_calls import parse_tool_calls
 from email_agent.rollout import Policy, RolloutConfig, rollout
 from email_agent.sft import expert_trajectories
 from email_agent.tools import parse_arguments

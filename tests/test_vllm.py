@@ -37,6 +37,7 @@ from email_agent import backends, training_data
 from email_agent import questions as qmod
 from email_agent.backends import vllm_server
 from email_agent.backends.cpu import CPUBackend
+from email_agent.data import DataError
 from email_agent.rollout import Policy, RolloutConfig, rollout
 from email_agent.sft import expert_trajectories
 
@@ -199,6 +200,11 @@ asyncio.run(main())
 """
 
 
+def own_server_environment() -> dict[str, str]:
+    """This environment without the test session's shared server, so that the script starts its own."""
+    return {k: v for k, v in os.environ.items() if k != vllm_server.URL_ENV}
+
+
 def processes_of(wrapper_pid: int) -> list[int]:
     """The wrapper and every process below it."""
     try:
@@ -221,7 +227,8 @@ def gone_within(pids: list[int], seconds: float) -> list[int]:
 @pytest.mark.slow
 def test_kill_9_of_the_process_that_started_vllm_leaves_none_of_its_processes(tmp_path):
     script = KILL_9.format(root=str(ROOT), log=str(tmp_path / "vllm.log"), end="await asyncio.sleep(3600)")
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=own_server_environment())
     try:
         wrapper = json.loads(parent.stdout.readline())["wrapper"]
         tree = processes_of(wrapper)
@@ -273,7 +280,7 @@ def test_the_server_s_processes_end_with_its_parent(end, tmp_path):
                                                  "Process(server._process.pid).children(recursive=True)]}), flush=True)"
                                                  "; print(json.dumps")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "EMAIL_AGENT_VLLM_PYTHON": str(fake_python)})
+                              env={**own_server_environment(), "EMAIL_AGENT_VLLM_PYTHON": str(fake_python)})
     try:
         tree = json.loads(parent.stdout.readline())["tree"]
         wrapper = json.loads(parent.stdout.readline())["wrapper"]
@@ -282,3 +289,74 @@ def test_the_server_s_processes_end_with_its_parent(end, tmp_path):
         assert gone_within([wrapper, *tree], 30) == []
     finally:
         parent.kill()
+
+
+def test_a_running_server_that_serves_another_model_is_refused_in_one_sentence(tmp_path):
+    """EMAIL_AGENT_VLLM_URL names a server to use instead of starting one; one serving another base model (or no
+    vLLM at all) is refused before any LoRA is loaded into it, with what it serves and the way out."""
+    from scripted_server import serve_in_thread
+
+    async def attach(url):
+        server = vllm_server.VLLMServer(tmp_path / "model", "base", chat_template="", log_path=tmp_path / "log",
+                                        loras={"agent@1": str(tmp_path / "ckpt")}, url=url)
+        async with server:
+            pass
+
+    with serve_in_thread({}, models=["other-model"]) as scripted:
+        with pytest.raises(DataError, match=f"serves other-model .*, not {tmp_path / 'model'}.*unset "
+                                            f"{vllm_server.URL_ENV}") as refused:
+            asyncio.run(attach(scripted.base_url))
+        assert scripted.base_url in str(refused.value)
+
+
+PLUGIN_CHECK = """
+import json, torch
+from importlib.metadata import entry_points
+from vllm.lora.ops.torch_ops import lora_ops as stock
+import email_agent_vllm_cpu as plugin
+
+torch.manual_seed(0)
+tokens, d_in, d_out, rank, slots = 37, 64, 96, 16, 3
+report = {"entry_point": [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "email_agent_lora_ops"]}
+worst = 0.0
+for indices in (torch.zeros(tokens, dtype=torch.long), torch.randint(0, slots, (tokens,)), torch.full((tokens,), 2)):
+    x = torch.randn(tokens, d_in, dtype=torch.bfloat16)
+    a = torch.randn(slots, 1, rank, d_in, dtype=torch.bfloat16)
+    b = torch.randn(slots, 1, d_out, rank, dtype=torch.bfloat16)
+    h = torch.randn(tokens, rank)
+    y = torch.randn(tokens, 200, dtype=torch.bfloat16)
+    pairs = []
+    for fn in (stock, plugin):
+        shrunk = torch.zeros(tokens, rank)
+        fn.bgmv_shrink(x, a, shrunk, indices, 0.5)
+        sliced = y.clone()
+        fn.bgmv_expand_slice(h, b, sliced, indices, 50, d_out, True)
+        expanded = y.clone()[:, :d_out]
+        fn.bgmv_expand(h, b, expanded, indices, False)
+        pairs.append((shrunk, sliced.float(), expanded.float()))
+    worst = max([worst] + [float((p - q).abs().max() / q.abs().max()) for p, q in zip(*pairs)])
+report["worst_relative_difference"] = worst
+# a request for the base model (-1) gets no LoRA: the expanded output keeps its input, the shrunk one is zero
+indices = torch.tensor([0, -1, 1, -1])
+shrunk = torch.ones(4, rank)
+plugin.bgmv_shrink(torch.randn(4, d_in, dtype=torch.bfloat16), a, shrunk, indices, 1.0)
+kept = torch.randn(4, d_out, dtype=torch.bfloat16)
+out = kept.clone()
+plugin.bgmv_expand(torch.randn(4, rank), b, out, indices, True)
+report["base_rows_untouched"] = bool(torch.equal(out[1], kept[1]) and torch.equal(out[3], kept[3])
+                                     and not torch.equal(out[0], kept[0]) and not shrunk[[1, 3]].any()
+                                     and shrunk[[0, 2]].abs().sum() > 0)
+print(json.dumps(report))
+"""
+
+
+def test_the_lora_plugin_computes_what_vllms_own_cpu_ops_compute():
+    """The plugin `make setup` installs into vLLM's venv (one matmul per adapter) gives vLLM's PyTorch LoRA ops'
+    results for every mix of adapters in a batch, and nothing for a base-model token (index -1)."""
+    done = subprocess.run([str(vllm_server.vllm_python()), "-c", PLUGIN_CHECK], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["entry_point"] == ["email_agent_vllm_cpu:install"]
+    assert report["worst_relative_difference"] < 1e-2, report  # bfloat16 inputs, float32 sums in another order
+    assert report["base_rows_untouched"], report

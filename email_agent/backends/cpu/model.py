@@ -1,10 +1,10 @@
-"""The base model: loading SmolLM2 (or a local transformers directory), its tool chat template, and the
-grouped-query attention used for batched decoding.
+"""The base model: loading SmolLM2 (or a local transformers directory), its tool chat template, the folder vLLM
+serves it from, and the grouped-query attention the trainer's cached context pass uses.
 
 Owns what every other module of the CPU backend runs on: `load_base_model` returns a fresh float32 model
 and tokenizer with a tool-capable chat template (SmolLM2's GGUF is converted once, then read from the
 conversion kept in ~/.cache/email-agent). It does not own LoRA adapters (see `checkpoints` and
-`trainer`), generation (`engine`) or serving (`server`).
+`trainer`) or serving (vLLM: `backends.vllm_server`).
 """
 
 from __future__ import annotations
@@ -162,6 +162,20 @@ def find_base_model(base_model: str) -> Path:
     raise DataError(
         f"Base model {base_model!r} is neither 'smollm2' nor a local directory: Hugging Face Hub "
         "downloads are not attempted offline, so pass a local transformers model directory.")
+
+
+def served_model_dir(base_model: str) -> Path:
+    """The transformers folder vLLM loads `base_model` from: SmolLM2's float32 conversion (made by the first load,
+    as `load_base_model` makes it), or the local model directory itself."""
+    if base_model not in SMOLLM2_NAMES:
+        return find_base_model(base_model)
+    converted = _converted_directory(find_base_model(base_model))
+    if not converted.is_dir():
+        load_base_model(base_model)
+    if not converted.is_dir():
+        raise DataError(f"vLLM loads SmolLM2 from its float32 conversion, which could not be kept in {converted} "
+                        "(a read-only or full disk?); free space there or set XDG_CACHE_HOME elsewhere.")
+    return converted
 
 
 @functools.lru_cache(maxsize=1)

@@ -4,8 +4,8 @@ over one peft LoRA model with an AdamW optimizer.
 Owns turning trajectories into rows (`Trainer.pack`), the log-probabilities of trained tokens
 (`Trainer.target_logprobs`: the context in the inference dtype through a merged copy, `Trainer.context_model`,
 with the prompt prefix all rows share computed once, `Trainer.shared_prefix`; a row's assistant turns in one
-float32 pass with gradient) and one optimizer step per call. It runs on whatever thread calls it (the engine's
-worker, in practice) and knows nothing of serving, checkpoint files or ART's Backend protocol (`backend`).
+float32 pass with gradient) and one optimizer step per call. It runs on whatever thread calls it (the backend's
+trainer thread, in practice) and knows nothing of serving, checkpoint files or ART's Backend protocol (`backend`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Tool-call parsing: what vLLM's hermes parser does to generated text, plus raw arguments for broken JSON.
-
-Owns only the text-to-OpenAI-`tool_calls` step the server applies to each completion; the template that
-teaches the model this format lives in `model`.
-"""
+"""What vLLM's hermes tool-call parser makes of generated text, for tests that run where vLLM is not installed (the
+project's venv, beside ART's trainer): tests/test_vllm.py checks the format against the real parser."""
 
 from __future__ import annotations
 
