@@ -40,6 +40,7 @@ demo: setup  # the main job serves with vLLM (.venv-vllm)
 	$(PY) test_email_search_agent.py --demo --model base --model demo@1 --model demo --limit 50 --grounded-answers --output eval/demo
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 bench: setup

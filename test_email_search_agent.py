@@ -5,10 +5,10 @@
     python test_email_search_agent.py --model openai/o4-mini --model my-run@latest --limit 100
     python test_email_search_agent.py --rejudge eval/20261123-101500 --judge-model openai/gpt-4.1
 
-Every model plays the same rollout (email_agent.rollout) over the same questions; a trained run is served
+Every model plays the same rollout (email_agent.agent.rollout) over the same questions; a trained run is served
 by the backend it was trained on and plays the episode shape it was trained with (flags override). Each
 model's endpoint is probed before the first rollout. The output folder holds results.jsonl (one line per
-question x model, enough to re-judge without re-running), summary.json and report.html / report.md.
+question x model, enough to re-judge without re-running), scores.json and report.html / report.md.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ import time
 from pathlib import Path
 
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
-from email_agent import cli, evaluation, report, rewards, runs, summary
-from email_agent.backends import ART_DIR, CPU_BASE_MODEL, PROJECT
-from email_agent.data import DataError, EmailDB
-from email_agent.episode import EpisodeShape
-from email_agent.questions import Question, id_sort_key, select_questions
+from email_agent import cli, runs
+from email_agent.evaluation import players, report, scores
+from email_agent.agent import rewards
+from email_agent.runs import ART_DIR, PROJECT
+from email_agent.backends import CPU_BASE_MODEL
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB
+from email_agent.agent.episode import EpisodeShape
+from email_agent.data.questions import Question, id_sort_key, select_questions
 
 DEFAULT_DB, DEMO_DB = "data/enron_emails.db", "data/demo.db"
 
@@ -34,9 +38,9 @@ DEFAULT_DB, DEMO_DB = "data/enron_emails.db", "data/demo.db"
 async def evaluate(args) -> int:
     from tqdm import tqdm
 
-    from email_agent.rollout import rollout
+    from email_agent.agent.rollout import rollout
 
-    scoring = evaluation.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
+    scoring = players.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
                                         args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
     report.check_output(out)
@@ -49,13 +53,14 @@ async def evaluate(args) -> int:
     if scoring.judge:
         await scoring.judge.probe()
     if args.rejudge:
-        records = await evaluation.rejudge_folder(Path(args.rejudge), scoring, args.grounded_answers)
+        records = await players.rejudge_folder(Path(args.rejudge), scoring, args.grounded_answers)
         report.keep_previous(out)
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return done(records, {})
 
     if args.demo and not Path(args.db).exists():
-        raise DataError(f"No demo database at {args.db}; build it with `python train_email_search_agent.py build-db --demo`.")
+        raise DataError(f"No demo database at {args.db}; build it with "
+                        f"`python train_email_search_agent.py build-db --demo`.")
     db = EmailDB(args.db)
     questions = select_questions(db, args.split, single_source=args.single_source, seed=args.seed, limit=args.limit)
     if not questions:
@@ -68,26 +73,26 @@ async def evaluate(args) -> int:
         from email_agent.tracing import traced_rollout
 
         rollout = traced_rollout(args.project, rollout, scoring.judge)
-    options = evaluation.Options(art_dir=args.art_dir, base_model=args.base_model, base_url=args.base_url,
+    options = players.Options(art_dir=args.art_dir, base_model=args.base_model, base_url=args.base_url,
                                  api_key=args.api_key, temperature=args.temperature, timeout=args.timeout,
                                  concurrency=args.concurrency, seed=args.seed,
-                                 cpu_lora_rank=evaluation.cpu_lora_rank(args.model, args.art_dir),
+                                 cpu_lora_rank=players.cpu_lora_rank(args.model, args.art_dir),
                                  shape=dict(max_turns=args.max_turns, max_tokens=args.max_tokens,
                                             max_body_chars=args.max_body_chars, search_results=args.search_results))
     records: list[dict] = []
     async with contextlib.AsyncExitStack() as stack:
         # Serve every model and probe it before the first rollout: a dead endpoint fails in seconds, not after
         # hours of the other models' rollouts.
-        evaluation.check_specs(args.model, args.art_dir)
-        shared = evaluation.shared_run_shape(args.model, args.art_dir)
-        contestants = [await evaluation.open_contestant(spec, options, stack, shared) for spec in args.model]
+        players.check_specs(args.model, args.art_dir)
+        shared = players.shared_run_shape(args.model, args.art_dir)
+        contestants = [await players.open_contestant(spec, options, stack, shared) for spec in args.model]
         labels = [c.label for c in contestants]
         if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step
             twice = next(label for label in labels if labels.count(label) > 1)
             raise DataError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
         for contestant in contestants:
-            await evaluation.probe(contestant)
-        histories = {c.label: summary.load_history(c.history, c.step) for c in contestants
+            await players.probe(contestant)
+        histories = {c.label: scores.load_history(c.history, c.step) for c in contestants
                      if c.history and c.history.exists()}
         for c in contestants:
             print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
@@ -96,13 +101,13 @@ async def evaluate(args) -> int:
         correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
         bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
 
-        schedule = evaluation.Schedule(contestants, len(questions), args.concurrency)
+        schedule = players.Schedule(contestants, len(questions), args.concurrency)
 
-        async def one(contestant: evaluation.Contestant, question: Question):
+        async def one(contestant: players.Contestant, question: Question):
             config = contestant.rollout_config(scoring)
             async with schedule.turn(contestant.label):
                 traj = await rollout(contestant.policy, question, db, config)
-            return evaluation.make_record(contestant, question, traj, config)
+            return players.make_record(contestant, question, traj, config)
 
         tasks = [asyncio.ensure_future(one(c, q)) for c in contestants for q in questions]
         results_file = None  # opened at the first finished rollout: an evaluation stopped before it writes nothing
@@ -145,9 +150,9 @@ def finish(out: Path, records: list[dict], histories: dict, labels: list[str] = 
     """Write the report and print the summary; non-zero if a model failed every one of its rollouts."""
     order = {label: i for i, label in enumerate(labels)}
     records.sort(key=lambda r: (order.get(r["model"], 0), id_sort_key(r["question_id"])))
-    figures = summary.summarize(records)
+    figures = scores.summarize(records)
     paths = report.write_report(out, records, figures, histories=histories or None)
-    print("\n".join(summary.console_lines(figures)))
+    print("\n".join(scores.console_lines(figures)))
     print(f"report: {paths['html']}")
     failed = [label for label, s in figures["models"].items() if s["n"] and s["n_errors"] == s["n"]]
     for label in failed:
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.console(args.quiet, args.verbose)
 
     def command() -> int:
-        evaluation.check_flags(args)
+        players.check_flags(args)
         if not args.model and not args.rejudge:
             args.model = [str(runs.latest_run(args.art_dir).path)]
         # the database the trained runs among the models were trained on, as `ask` does

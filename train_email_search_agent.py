@@ -25,14 +25,15 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
-from email_agent import ask, build, cli, config, generate, runs
+from email_agent.apps import ask
+from email_agent.data import build, generate
+from email_agent import cli, runs
 from email_agent.config import (DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir,
                                 saved_config)
-from email_agent.data import DataError, EmailDB, check_day, visible_until
-from email_agent.episode import EpisodeShape
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB, check_day, visible_until
 
 
 # ---- build-db ------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def build_db(args) -> None:
 # ---- generate-questions: an LLM writes the question set for an inbox -----------------------------
 
 def generate_questions(args) -> None:
-    from email_agent.generate import GenerateConfig, cache_path, generate_questions
+    from email_agent.data.generate import GenerateConfig, cache_path, generate_questions
 
     cfg = GenerateConfig(model=args.model, base_url=args.base_url, api_key=os.environ.get("QUESTIONS_API_KEY"),
                          inboxes=args.inbox or [], max_questions=args.max_questions, batch_size=args.batch_size,
@@ -94,14 +95,14 @@ def read(args) -> None:
 # ---- ask: one question to a trained agent, each tool call shown as it happens --------------------
 
 def ask_command(args) -> None:
-    from email_agent import evaluation
+    from email_agent.evaluation import players
 
     for flag in ("max_turns", "max_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     spec, db = ask.model_and_db(args.model, args.db, args.art_dir, DEFAULT_DB)
     question = ask.adhoc_question(db, args.question, args.inbox, args.as_of)
-    options = evaluation.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
+    options = players.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
                                  shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     live = {} if args.json else dict(
         on_call=lambda *call: print(ask.describe_call(*call), flush=True),
@@ -114,7 +115,7 @@ def ask_command(args) -> None:
 # ---- serve: the trained agent and its tools as an MCP server --------------------------------------
 
 def serve_command(args) -> None:
-    from email_agent import serve
+    from email_agent.apps import serve
 
     asyncio.run(serve.serve(serve.settings_from_args(args, DEFAULT_DB)))
 
@@ -122,7 +123,7 @@ def serve_command(args) -> None:
 # ---- export: a checkpoint in the formats other runtimes load --------------------------------------
 
 def export_command(args) -> None:
-    from email_agent.export import export
+    from email_agent.apps.export import export
 
     folder = export(args.model, args.format, args.output, art_dir=args.art_dir, force=args.force,
                     base_model=args.base_model)
@@ -135,8 +136,8 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> s
     """Greedy episodes of the validation questions, logged as val/*; returns the line to print."""
     import art
 
-    from email_agent.rewards import valid_tool_call_rate
-    from email_agent.rollout import rollout
+    from email_agent.agent.rewards import valid_tool_call_rate
+    from email_agent.agent.rollout import rollout
 
     greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
     # One-episode groups because only gather_trajectory_groups takes max_metrics: gather_trajectories' bar
@@ -148,179 +149,86 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> s
     extra = {"valid_tool_call_rate": valid_tool_call_rate(t.metrics for t in trajs) or 0.0}
     await model.log(trajs, split="val", metrics=extra, step=step)
     n = max(len(trajs), 1)
-    return (f"val  {step:>4}  reward {sum(t.reward for t in trajs) / n:+.3f}  accuracy "
-            f"{sum(t.metrics['answer_correct'] for t in trajs) / n:.0%}  valid calls {extra['valid_tool_call_rate']:.0%}"
-            f"  ({len(trajs)} questions, greedy)")
+    right = sum(t.metrics["answer_correct"] for t in trajs) / n
+    hallucinated = sum(t.metrics["hallucinated"] for t in trajs) / n
+    return (f"val  {step:>4}  reward {sum(t.reward for t in trajs) / n:+.3f}  accuracy {right:.0%}  hallucination "
+            f"{hallucinated:.0%}  valid calls {extra['valid_tool_call_rate']:.0%}  ({len(trajs)} questions, greedy)")
 
 
 def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_start_pending: bool):
     """Print what a step's groups offer GRPO and the verdict; returns the verdict."""
-    from email_agent import preflight
+    from email_agent.training import step_health
 
-    verdict = preflight.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
+    verdict = step_health.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
                                  warm_start_pending=warm_start_pending)
     space = runs.free_space_warning(run_dir(cfg))
-    print("\n".join(preflight.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)
+    print("\n".join(step_health.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)
                     + ([f"  warning: {space}"] if space else [])), flush=True)
     return verdict
 
 
 async def train(cfg: TrainConfig) -> None:
+    # ART, torch and the backends load here, not at the top: the other subcommands need none of them
     import art
 
-    from email_agent import backends, judging, preflight, rewards, sft, training_data
-    from email_agent.questions import training_questions
-    from email_agent.rollout import Policy, RolloutConfig, regrade, rollout
+    from email_agent import backends
+    from email_agent.training import run_plan, step_health, training_data
 
-    check(cfg)  # values no run can use, before anything loads
-    backend_name = backends.resolve_backend(cfg.backend)
-    gpu = backends.gpu_checks.find_gpu() if backend_name == "local" else None
-    cfg.base_model = cfg.base_model or backends.default_base_model(backend_name, cfg, gpu)
-    if cfg.base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
-        cfg.base_model = backends.CPU_BASE_MODEL
-    if backend_name != "cpu":  # what an ART backend needs, told in seconds, before anything loads
-        ready = backends.gpu_checks.readiness(backend_name, cfg, gpu)
-        print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
-        if not ready.ok:
-            raise DataError(f"--backend {backend_name} cannot start here; missing: " + "; ".join(ready.missing))
-    if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
-        build_db(argparse.Namespace(demo=True, db=cfg.db, emails=None, questions=None, quiet=True, overwrite=False))
-    db = EmailDB(cfg.db)
-    # validation, warm-start and GRPO questions, all from the train split (GRPO's with unanswerable replays)
-    val_questions, train_questions, rl_questions = training_questions(db, cfg)
-    reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
-                                           cfg.art_dir)
-    if judge:
-        await judge.probe()
-    ruler_model = cfg.ruler_model or (judge.model if judge else "")
-    if reward_mode == "ruler" and not ruler_model:
-        raise DataError("--reward ruler needs --ruler-model or --judge-model.")
-    rollout_config = RolloutConfig.for_shape(EpisodeShape.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge,
-                                             hallucination_penalty=cfg.hallucination_penalty)
-    ruler_params = rewards.ruler_params(judge, cfg.judge_base_url)  # the judge's endpoint and key (JUDGE_API_*)
-    if backends.hide_wandb_key(backend_name, cfg.wandb):
-        print("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run", file=sys.stderr)
-    backend = backends.make_backend(backend_name, cfg)  # fails here, before anything is saved, if it cannot run
+    plan = await run_plan.resolve(cfg)  # everything that can refuse the run, before anything is saved or loads
+    cfg = plan.config
+    backend = backends.make_backend(plan.backend, cfg)  # fails here, before anything is saved, if it cannot run
     new_run = not run_dir(cfg).exists()
-    # The run's state and the warm start's episodes are checked before the run is saved and the model loads
-    # (minutes on a GPU): a damaged state or a teacher folder with nothing to learn from fails first.
-    state = {}
-    if not cfg.fresh:
-        runs.check_resumable(run_dir(cfg), saved_config(cfg, backend_name))
-        state = runs.read_state(run_dir(cfg))
-    sft_episodes = (await sft.warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config)
-                    if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
-    runs.start(run_dir(cfg), saved_config(cfg, backend_name), fresh=cfg.fresh, preflight=cfg.preflight)
-    if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
-        from email_agent.tracing import traced_rollout
-
-        rollout = traced_rollout(cfg.project, rollout, judge)
-
-    model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
-                               report_metrics=["wandb"] if cfg.wandb else [],
-                               _internal_config=backends.internal_config(cfg) if backend_name == "local" else None)
-    unanswerable = len(rl_questions) - len(train_questions)
-    steps = cfg.max_steps or cfg.num_epochs * -(-len(rl_questions) // cfg.groups_per_step)
-    print("\n".join(config.summary(cfg, backend_name, len(train_questions), unanswerable, len(val_questions), steps,
-                                   rewards.describe(reward_mode, judge, ruler_model, ruler_params.get("api_base")),
-                                   warm_start_done=bool(state.get("sft_done")))), file=sys.stderr)
+    runs.start(run_dir(cfg), saved_config(cfg, plan.backend), fresh=cfg.fresh, preflight=cfg.preflight)
+    model = plan.trainable_model()
+    print("\n".join(plan.summary()), file=sys.stderr)
     try:
         await model.register(backend)
-        policy = Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                  max_concurrency=cfg.concurrency)
-        arguments = training_data.argument_form(backends.chat_template(backend_name, backend, cfg.base_model))
-        state = await runs.check_state(run_dir(cfg), state, model)
-        after_each = None
-        if reward_mode == "ruler":
-            after_each = lambda group: rewards.ruler_group(group, ruler_model, ruler_params)  # noqa: E731
-        by_id = {q.id: q for q in rl_questions}
-
-        async def rejudge(group):  # a group the judge failed on, judged again
-            return await (after_each(group) if after_each else regrade(group, by_id, rollout_config))
-
-        async def gather(questions, step):
-            groups = await art.gather_trajectory_groups(
-                (art.TrajectoryGroup(rollout(policy, q, db, rollout_config) for _ in range(cfg.rollouts_per_group))
-                 for q in questions),
-                pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4, after_each=after_each)
-            # the rollouts are kept while a judge that is down comes back; one that does not stops the run here
-            return await judging.settle(groups, rejudge, reward_mode=reward_mode, patience=cfg.judge_patience,
-                                        step=step + 1,  # the number of the checkpoint it would make
-                                        notify=lambda line: print(line, file=sys.stderr, flush=True))
-
-        warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
+        policy = plan.policy(model)
+        steps = run_plan.Steps(plan, policy)
+        arguments = training_data.argument_form(backends.chat_template(plan.backend, backend, cfg.base_model))
+        state = await runs.check_state(run_dir(cfg), plan.state, model)
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
         # (a warm start still to finish, even half done, comes before any RL step).
         sft_steps = state.get("sft_steps", 0)
-        rl_step = 0 if warm_start_pending else await model.get_step() - sft_steps
-        batches = art.utils.iterate_dataset(rl_questions, groups_per_step=cfg.groups_per_step,
+        rl_step = 0 if plan.warm_start_pending else await model.get_step() - sft_steps
+        batches = art.utils.iterate_dataset(plan.rl_questions, groups_per_step=cfg.groups_per_step,
                                             num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False)
         if cfg.preflight:  # the next step's groups from the policy as it is now: nothing trained, logged or saved
-            batch = next(iter(batches), None)
-            if batch is None:
-                raise DataError(f"--preflight: run {cfg.name!r} has no steps left to check (its epochs are done).")
-            started = time.perf_counter()
-            groups = await gather(batch.items, batch.step + sft_steps)
-            health = preflight.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
-            verdict = say_whether_it_can_learn(cfg, health, reward_mode, warm_start_pending)
-            if not verdict.ok:
-                raise DataError(verdict.headline)
-            print(f"preflight: {verdict.headline}")
-            return
-        if warm_start_pending:
-            sft_episodes = sft_episodes or await sft.warm_start_episodes(cfg, db, train_questions, val_questions,
-                                                                     rollout_config)
-            await sft.warm_start(cfg, model, training_data.for_sft(sft_episodes, arguments), say=cli.say)
-            state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
-            sft_steps = state["sft_steps"]
-            policy.model = model.get_inference_name()
-            if val_questions:
-                step = await model.get_step()
-                print(await validate(model, policy, val_questions, db, rollout_config, step))
+            return await preflight(plan, steps, next(iter(batches), None), sft_steps)
+        if plan.warm_start_pending:
+            sft_steps = await warm_start(plan, model, policy, arguments)
         if cfg.sft_only:
             return
-        rollouts = cfg.groups_per_step * cfg.rollouts_per_group
-        if backend_name == "cpu" and rollouts > 16:  # GPU-scale steps on a CPU: say what one will cost
-            started = time.perf_counter()
-            await rollout(policy, rl_questions[0], db, rollout_config)
-            print(preflight.cpu_step_note(time.perf_counter() - started, rollouts,
-                                          min(cfg.concurrency, backend.max_batch_size)), file=sys.stderr, flush=True)
-        idle_steps = 0  # steps in a row that trained on nothing
-        trainable_shares, warned_low_variance = [], False
+        if plan.backend == "cpu":
+            await say_what_a_cpu_step_costs(plan, policy, backend.max_batch_size)
+        warnings = step_health.Warnings(cfg.temperature)
         for batch in batches:
             if cfg.max_steps and batch.step >= cfg.max_steps:
                 break
             step = batch.step + sft_steps
-            if batch.step % cfg.eval_every == 0 and val_questions and not (batch.step == 0 and sft_steps):
-                print(await validate(model, policy, val_questions, db, rollout_config, step))
+            if batch.step % cfg.eval_every == 0 and plan.val_questions and not (batch.step == 0 and sft_steps):
+                print(await validate(model, policy, plan.val_questions, plan.db, plan.episode, step))
             started = time.perf_counter()
-            groups = await gather(batch.items, step)
-            health = preflight.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
+            groups = await steps.settle(await steps.gather(batch.items, step), step)  # a judge that is down: waited for
+            health = step_health.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
             if batch.step == 0:  # a fresh run says at once whether it can learn
-                verdict = say_whether_it_can_learn(cfg, health, reward_mode, False)
+                verdict = say_whether_it_can_learn(cfg, health, plan.episode.reward, False)
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
             # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled, of the
             # groups whose rewards differ by more than judge noise ----
             result = await backend.train(model, training_data.for_grpo(groups, arguments, cfg.min_reward_std),
                                          learning_rate=cfg.learning_rate, advantage_balance=cfg.advantage_balance,
                                          scale_rewards=cfg.scale_rewards)
-            learned = preflight.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
+            learned = step_health.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
             await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
-            print(preflight.step_line(result.step, groups, result.metrics, learned, time.perf_counter() - started),
+            print(step_health.step_line(result.step, groups, result.metrics, learned, time.perf_counter() - started),
                   flush=True)
-            idle_steps = 0 if learned["trained_token_share"] else idle_steps + 1
-            if idle_steps >= preflight.IDLE_STEPS_WARNING:
-                print(f"warning: {idle_steps} steps in a row trained on nothing: {preflight.idle_cause(health)}",
-                      file=sys.stderr, flush=True)
-            trainable_shares.append(learned["trainable_group_share"])
-            low_variance = preflight.low_variance_warning(trainable_shares, cfg.temperature)
-            if low_variance and not warned_low_variance:
-                print(f"warning: {low_variance}", file=sys.stderr, flush=True)
-                warned_low_variance = True
+            for warning in warnings.after_step(health, learned):
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         step = await model.get_step()
-        if val_questions:
-            print(await validate(model, policy, val_questions, db, rollout_config, step))
+        if plan.val_questions:
+            print(await validate(model, policy, plan.val_questions, plan.db, plan.episode, step))
         if cfg.keep_checkpoints == "best":
             await backends.keep_latest_and_best(model, backend, step, also=(sft_steps,) if sft_steps else ())
         print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
@@ -329,6 +237,50 @@ async def train(cfg: TrainConfig) -> None:
         await backend.close()
         if cfg.preflight and new_run:  # registering wrote a first checkpoint; a preflight leaves no run behind
             shutil.rmtree(run_dir(cfg), ignore_errors=True)
+
+
+async def preflight(plan, steps, batch, sft_steps: int) -> None:
+    """--preflight: one step's groups gathered and judged, the verdict printed; DataError if GRPO cannot learn."""
+    from email_agent.training import step_health
+
+    if batch is None:
+        raise DataError(f"--preflight: run {plan.config.name!r} has no steps left to check (its epochs are done).")
+    step = batch.step + sft_steps
+    started = time.perf_counter()
+    groups = await steps.settle(await steps.gather(batch.items, step), step)
+    health = step_health.measure(groups, time.perf_counter() - started, plan.config.min_reward_std)
+    verdict = say_whether_it_can_learn(plan.config, health, plan.episode.reward, plan.warm_start_pending)
+    if not verdict.ok:
+        raise DataError(verdict.headline)
+    print(f"preflight: {verdict.headline}")
+
+
+async def warm_start(plan, model, policy, arguments) -> int:
+    """The warm start (SFT on the expert's or a teacher's episodes), then a validation; returns its last step."""
+    from email_agent.training import training_data, warm_start as sft
+
+    cfg = plan.config
+    episodes = plan.sft_episodes or await sft.warm_start_episodes(cfg, plan.db, plan.train_questions,
+                                                                  plan.val_questions, plan.episode)
+    await sft.warm_start(cfg, model, training_data.for_sft(episodes, arguments), say=cli.say)
+    state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
+    policy.model = model.get_inference_name()
+    if plan.val_questions:
+        print(await validate(model, policy, plan.val_questions, plan.db, plan.episode, await model.get_step()))
+    return state["sft_steps"]
+
+
+async def say_what_a_cpu_step_costs(plan, policy, max_batch_size: int) -> None:
+    """GPU-scale steps on a CPU: one rollout timed, and what a step of them will cost, said before the first."""
+    from email_agent.training import step_health
+
+    cfg = plan.config
+    rollouts = cfg.groups_per_step * cfg.rollouts_per_group
+    if rollouts > 16:
+        started = time.perf_counter()
+        await plan.rollout(policy, plan.rl_questions[0], plan.db, plan.episode)
+        print(step_health.cpu_step_note(time.perf_counter() - started, rollouts, min(cfg.concurrency, max_batch_size)),
+              file=sys.stderr, flush=True)
 
 
 def train_command(args) -> None:
@@ -410,7 +362,7 @@ def make_parser() -> argparse.ArgumentParser:
                             "(its own tools). The model is served once and shared by all requests. Example: "
                             "python train_email_search_agent.py serve --db data/demo.db --inbox "
                             "priya.natarajan@larkspur.example")
-    from email_agent import serve  # here, beside its subparser
+    from email_agent.apps import serve  # here, beside its subparser
 
     serve.add_arguments(p, DEFAULT_DB)
 
@@ -421,7 +373,7 @@ def make_parser() -> argparse.ArgumentParser:
                             "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
                             "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
                             "--format merged --output export/demo-merged")
-    from email_agent import export  # here, beside its subparser
+    from email_agent.apps import export  # here, beside its subparser
 
     export.add_arguments(p)
 

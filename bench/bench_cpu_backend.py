@@ -3,9 +3,9 @@
 (a) Trainer: trained tokens/s of `CPUBackend.train` on a fixed batch of tool-using trajectories sampled
     through the backend's vLLM server, beside two bare forward+backward loops over the same token rows
     with the same LoRA (see `bare_loops`): one doing the same model work as the trainer (shared prefix
-    once, untrained segments without gradient, logits at assistant positions only), which gives the trainer's overhead (target: train /
-    equal-work >= 0.7), and the plain transformers loop (all logits, whole rows), which gives the
-    speed-up over the textbook approach.
+    once, untrained segments without gradient, logits at assistant positions only), which gives the trainer's
+    overhead (target: train / equal-work >= 0.7), and the plain transformers loop (all logits, whole rows),
+    which gives the speed-up over the textbook approach.
 (b) Server (vLLM): generated tokens/s at concurrency 1 and 8 (fixed max_tokens, ignore_eos), and the ratio.
     Target: 8 concurrent >= 3x single stream.
 
@@ -27,15 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from email_agent.backends.cpu import CPUBackend  # noqa: E402  (sets the offline litellm default first)
-from email_agent.backends.cpu.model import inference_dtype  # noqa: E402
-from email_agent import training_data  # noqa: E402
+from email_agent.backends.cpu import CPUBackend  # (sets the offline litellm default first)
+from email_agent.backends.cpu.model import inference_dtype
+from email_agent.training import training_data
 
-import art  # noqa: E402
-import openai  # noqa: E402
-import torch  # noqa: E402
-from art.loss import shift_tensor  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
+import art
+import openai
+import torch
+from art.loss import shift_tensor
+from transformers import DynamicCache
 
 TOOLS = [
     {"type": "function", "function": {
@@ -60,8 +60,9 @@ SYSTEM = ("You are an email search agent. Use the tools to search the user's inb
 QUESTIONS = ["When is the budget review with the trading desk?", "Who approved the new credit limits for Dynegy?",
              "What time does the Houston ops meeting start on Friday?", "Which hotel was booked for the offsite?"]
 SEARCH_RESULT = json.dumps([{"message_id": f"<{1000 + i}.JavaMail.evans@thyme>",
-                             "snippet": f"... the <b>budget</b> review is moved to Thursday {i + 1} pm in room EB3{i}21 "
-                                        "... please bring the Q2 trading desk numbers and the credit exposure report ..."}
+                             "snippet": f"... the <b>budget</b> review is moved to Thursday {i + 1} pm "
+                                        f"in room EB3{i}21 ... please bring the Q2 trading desk numbers and the credit "
+                                        "exposure report ..."}
                             for i in range(6)])
 TRAJECTORIES_PER_GROUP = 4
 SAMPLED_TOKENS = 40
@@ -144,7 +145,8 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
             logprobs = torch.log_softmax(peft.get_base_model().lm_head(hidden[0]).float(), -1)
             (-logprobs.gather(-1, tokens[0, positions + 1, None]).sum()).backward()
 
-    equal_work()  # warm-up: the first pass over new shapes builds oneDNN's kernels, which the trainer's step finds built
+    # warm-up: the first pass over new shapes builds oneDNN's kernels, which the trainer's step finds built
+    equal_work()
     peft.zero_grad(set_to_none=True)
     timings = {}
     for name, loop in (("equal work", equal_work), ("plain transformers", plain)):

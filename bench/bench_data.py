@@ -5,9 +5,9 @@
 
 Build: emails/s of `build_database` (recipients, inbox table, indexes, FTS5) vs. a plain executemany into
 an FTS5 table of subject+body, both reading and parsing the same file; the two alternate for --rounds
-rounds and the best time of each counts (a shared VM's noise swings single runs by +-30%). Search: 1,000 realistic queries
-(1-3 words drawn from a random email, scoped to one of its sender/recipients), p50/p95/p99 latency, vs.
-the same keywords on the bare table (no inbox scoping, bm25 order).
+rounds and the best time of each counts (a shared VM's noise swings single runs by +-30%). Search: 1,000
+realistic queries (1-3 words drawn from a random email, scoped to one of its sender/recipients), p50/p95/p99
+latency, vs. the same keywords on the bare table (no inbox scoping, bm25 order).
 Targets (issue 2): build >= 60% of the baseline's emails/s; search p50 <= 2 ms, p99 <= 20 ms on the sample.
 """
 
@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.build import build_database  # noqa: E402
-from email_agent.data import EmailDB, fts_query, normalize_email, read_emails  # noqa: E402
+from email_agent.data.build import build_database
+from email_agent.data.email_db import EmailDB, fts_query, normalize_email, read_emails
 
 SAMPLE = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 
@@ -68,7 +68,8 @@ def make_queries(db: EmailDB, n: int, seed: int) -> list[tuple[str, list[str]]]:
     queries = []
     while len(queries) < n:
         email_id = rng.randint(1, max_id)
-        row = db.conn.execute("SELECT subject || ' ' || substr(body, 1, 2000) FROM emails WHERE id = ?", (email_id,)).fetchone()
+        row = db.conn.execute("SELECT subject || ' ' || substr(body, 1, 2000) FROM emails WHERE id = ?",
+                              (email_id,)).fetchone()
         members = [a for (a,) in db.conn.execute("SELECT address FROM mailbox WHERE email_id = ?", (email_id,))]
         words = sorted(set(re.findall(r"[A-Za-z]{4,}", row[0] if row else "")))
         if not words or not members:
@@ -108,7 +109,8 @@ def main() -> None:
             print(f"round {round_ + 1}: baseline {base_times[-1]:6.1f} s, build_database {our_times[-1]:6.1f} s, "
                   f"ratio {base_times[-1] / our_times[-1]:.2f}", flush=True)
         base_s, our_s = min(base_times), min(our_times)
-        print(f"corpus: {args.emails.name} x{args.replicate} = {summary.emails:,} emails (best of {args.rounds} rounds)")
+        print(f"corpus: {args.emails.name} x{args.replicate} = {summary.emails:,} emails "
+              f"(best of {args.rounds} rounds)")
         print(f"build    baseline (bare FTS5)  {base_n / base_s:8,.0f} emails/s   ({base_s:6.1f} s)")
         print(f"build    build_database        {summary.emails / our_s:8,.0f} emails/s   "
               f"({our_s:6.1f} s, {summary.db_bytes / 1e6:,.0f} MB)")

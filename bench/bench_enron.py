@@ -27,13 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.config import TrainConfig  # noqa: E402
-from email_agent.data import EmailDB  # noqa: E402
-from email_agent.expert import Ceiling, expert_episodes  # noqa: E402
-from email_agent.questions import select_questions, training_questions  # noqa: E402
-from email_agent.rollout import RolloutConfig  # noqa: E402
-from email_agent.summary import warm_start_steps  # noqa: E402
-from shared import add_training_flags, answers_by_model, paired_test, print_table, run  # noqa: E402
+from email_agent.config import TrainConfig
+from email_agent.data.email_db import EmailDB
+from email_agent.agent.expert import Ceiling, expert_episodes
+from email_agent.data.questions import select_questions, training_questions
+from email_agent.agent.rollout import RolloutConfig
+from email_agent.evaluation.scores import warm_start_steps
+from shared import add_training_flags, answers_by_model, paired_test, print_table, run
 
 EMAILS = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 QUESTIONS = ROOT / "data" / "enron-questions" / "questions.jsonl"
@@ -55,7 +55,8 @@ def main() -> None:
     parser.add_argument("--cpu-train-threads", type=int, default=0,
                         help="training threads (default: all cores; 1 when other jobs share the machine)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="training seed: validation split, warm-start order, LoRA init, sampling (test questions stay)")
+                        help="training seed: validation split, warm-start order, LoRA init, sampling "
+                             "(test questions stay)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     parser.add_argument("--evaluate-only", action="store_true",
                         help="evaluate the run already in --work again (after a change to the evaluation)")

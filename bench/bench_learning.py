@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared import add_training_flags, answers_by_model, paired_test, print_table, run  # noqa: E402
+from shared import add_training_flags, answers_by_model, paired_test, print_table, run
 
 
 def main() -> None:
@@ -36,11 +36,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     add_training_flags(parser, test_questions=144, sft_limit=0, sft_epochs=2, rl_steps=10)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
-                        help="ART's advantage_balance: negative advantages weigh 1 - this (run I, at 0, learned to abstain)")
+                        help="ART's advantage_balance: negative advantages weigh 1 - this "
+                             "(run I, at 0, learned to abstain)")
     parser.add_argument("--scale-rewards", action=argparse.BooleanOptionalAction, default=False,
-                        help="divide advantages by each group's reward std (ART's default; run J); off: Dr. GRPO (run K)")
+                        help="divide advantages by each group's reward std (ART's default; run J); "
+                             "off: Dr. GRPO (run K)")
     parser.add_argument("--scaled-steps", type=int, default=0,
-                        help="end with this many of the --rl-steps std-scaled (ART's default), after the others (runs M, N)")
+                        help="end with this many of the --rl-steps std-scaled (ART's default), "
+                             "after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=1.0,
                         help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
@@ -50,11 +53,13 @@ def main() -> None:
                         help="GRPO rollouts' sampling temperature (at 0.7, runs F-S, the two-epoch warm start played "
                              "most questions alike four times in four: only a third of the groups had reward variance)")
     parser.add_argument("--eval-every", type=int, default=14, help="RL steps between validations (and after the last)")
-    parser.add_argument("--concurrency", type=int, default=16, help="rollouts decoded as one batch (training and evaluation)")
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="rollouts decoded as one batch (training and evaluation)")
     parser.add_argument("--cpu-train-threads", type=int, default=0,
                         help="training threads (default: all cores; 1 when other jobs share the machine)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="training seed: validation split, warm-start order, LoRA init, sampling (test questions stay)")
+                        help="training seed: validation split, warm-start order, LoRA init, sampling "
+                             "(test questions stay)")
     parser.add_argument("--grounded-answers", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate with the grounding check: answers naming something in no email or search "
                              "result the agent saw count as \"I don't know\" (runs F-W: without; the bench prints "

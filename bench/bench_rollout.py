@@ -22,13 +22,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from openai import AsyncOpenAI  # noqa: E402
+from openai import AsyncOpenAI
 
-from email_agent.build import build_database  # noqa: E402
-from email_agent.data import EmailDB, read_emails  # noqa: E402
-from email_agent.questions import Question  # noqa: E402
-from email_agent.rollout import Policy, RolloutConfig, rollout  # noqa: E402
-from scripted_server import ScriptedServer, call  # noqa: E402
+from email_agent.data.build import build_database
+from email_agent.data.email_db import EmailDB, read_emails
+from email_agent.data.questions import Question
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from scripted_server import ScriptedServer, call
 
 SAMPLE = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 
@@ -84,7 +84,8 @@ def main() -> None:
     print(f"rollouts {len(trajs)} ({correct} answered correctly), turns {turns}, concurrency {args.concurrency}")
     print(f"throughput        {len(trajs) / wall:8.1f} rollouts/s   ({wall:.2f} s wall)")
     print(f"environment       {env / turns * 1000:8.2f} ms per turn   (target < 5 ms)")
-    print(f"environment share {env / wall:8.1%} of wall time (the rest: HTTP to the instant policy, client, event loop)")
+    print(f"environment share {env / wall:8.1%} of wall time "
+          "(the rest: HTTP to the instant policy, client, event loop)")
 
 
 if __name__ == "__main__":

@@ -35,14 +35,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import httpx  # noqa: E402
-from mcp import ClientSession, StdioServerParameters, stdio_client  # noqa: E402
-from mcp.client.streamable_http import streamable_http_client  # noqa: E402
+import httpx
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
-from email_agent import ask, evaluation, runs  # noqa: E402
-from email_agent.data import DataError, EmailDB  # noqa: E402
-from email_agent.questions import select_questions  # noqa: E402
-from scripted_server import expert_script, serve_in_thread  # noqa: E402
+from email_agent.apps import ask
+from email_agent.evaluation import players
+from email_agent import runs
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB
+from email_agent.data.questions import select_questions
+from scripted_server import expert_script, serve_in_thread
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -56,12 +59,12 @@ def serve_argv(args, spec: str, base_url: str | None, *more) -> list[str]:
 
 
 async def latency(args, spec, base_url, questions, db) -> None:
-    options = evaluation.Options(art_dir=args.art_dir, base_url=base_url)
+    options = players.Options(art_dir=args.art_dir, base_url=base_url)
     params = StdioServerParameters(command=sys.executable, args=serve_argv(args, spec, base_url)[1:], cwd=str(ROOT))
     inproc, mcp, same = [], [], 0
     async with contextlib.AsyncExitStack() as stack:
-        contestant = await evaluation.open_contestant(spec, options, stack)
-        await evaluation.probe(contestant)
+        contestant = await players.open_contestant(spec, options, stack)
+        await players.probe(contestant)
         read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
@@ -85,8 +88,10 @@ async def latency(args, spec, base_url, questions, db) -> None:
                 same += result.structured_content["answer"] == direct.answer
     p50, p95 = percentile(inproc, 50), percentile(inproc, 95)
     m50, m95 = percentile(mcp, 50), percentile(mcp, 95)
-    print(f"  in-process  p50 {p50 * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   mean {statistics.mean(inproc) * 1000:8.1f} ms")
-    print(f"  over MCP    p50 {m50 * 1000:8.1f} ms   p95 {m95 * 1000:8.1f} ms   mean {statistics.mean(mcp) * 1000:8.1f} ms")
+    print(f"  in-process  p50 {p50 * 1000:8.1f} ms   p95 {p95 * 1000:8.1f} ms   "
+          f"mean {statistics.mean(inproc) * 1000:8.1f} ms")
+    print(f"  over MCP    p50 {m50 * 1000:8.1f} ms   p95 {m95 * 1000:8.1f} ms   "
+          f"mean {statistics.mean(mcp) * 1000:8.1f} ms")
     added = statistics.mean(mcp) - statistics.mean(inproc)
     print(f"  MCP adds {added * 1000:+.1f} ms per answer on average ({added / statistics.mean(inproc):+.1%}; p50 "
           f"{m50 / p50 - 1:+.1%}); same answer both ways: {same}/{len(mcp)}", flush=True)

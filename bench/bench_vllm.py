@@ -32,15 +32,15 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, served_model_dir  # noqa: E402
-from email_agent.backends.vllm_server import VLLMServer  # noqa: E402
-from email_agent.data import EmailDB  # noqa: E402
-from email_agent.episode import EpisodeShape  # noqa: E402
-from email_agent.questions import select_questions  # noqa: E402
-from email_agent.rollout import Policy, RolloutConfig, rollout  # noqa: E402
+from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, served_model_dir
+from email_agent.backends.vllm_server import VLLMServer
+from email_agent.data.email_db import EmailDB
+from email_agent.agent.episode import EpisodeShape
+from email_agent.data.questions import select_questions
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
 
-import openai  # noqa: E402
-import psutil  # noqa: E402
+import openai
+import psutil
 
 SHAPE = EpisodeShape(max_turns=4, max_tokens=64, max_body_chars=600, search_results=3)
 AT_ONCE = 8  # the evaluation's --concurrency and the server's batch
@@ -170,7 +170,8 @@ async def main(args: argparse.Namespace) -> None:
         same = sum(a == b for a, b in zip(r["messages"], reference["messages"]))
         print(f"{name:>14}: start {r['start_s']:5.1f} s, warm-up {r['warmup_s']:5.1f} s, eval {r['eval_s']:6.1f} s "
               f"({r['eval_s'] / reference['eval_s']:.2f}x the first; {r['generated']} tokens generated, "
-              f"{r['prompt_tokens']} prompt tokens, {r['correct']} right, greedy agreement {same}/{len(r['messages'])}),"
+              f"{r['prompt_tokens']} prompt tokens, {r['correct']} right, "
+              f"greedy agreement {same}/{len(r['messages'])}),"
               f" grpo step {r['grpo_s']:5.1f} s ({r['grpo_s'] / reference['grpo_s']:.2f}x), peak {r['peak_gb']:.2f} GB;"
               f" load {os.getloadavg()[0]:.2f}  [{CONFIGURATIONS[name][0]}]", flush=True)
 

@@ -22,15 +22,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from email_agent.backends.cpu import CPUBackend  # noqa: E402  (sets the offline litellm default first)
-from email_agent.backends.cpu.model import inference_dtype  # noqa: E402
-from email_agent.build import build_database, open_sources  # noqa: E402
-from email_agent.data import EmailDB  # noqa: E402
-from email_agent.questions import select_questions  # noqa: E402
-from email_agent.rollout import RolloutConfig  # noqa: E402
-from email_agent.sft import expert_trajectories  # noqa: E402
+from email_agent.backends.cpu import CPUBackend  # (sets the offline litellm default first)
+from email_agent.backends.cpu.model import inference_dtype
+from email_agent.data.build import build_database, open_sources
+from email_agent.data.email_db import EmailDB
+from email_agent.data.questions import select_questions
+from email_agent.agent.rollout import RolloutConfig
+from email_agent.training.warm_start import expert_trajectories
 
-import art  # noqa: E402
+import art
 
 
 async def seconds_per_episode(trajectories: list[art.Trajectory], art_dir: str, rebuild: bool) -> tuple[float, float]:
@@ -93,7 +93,8 @@ async def main(args: argparse.Namespace) -> None:
                       f"{merging:.3f} s of it merging", flush=True)
     (in_place, in_place_merging), (rebuilt, rebuilt_merging) = (
         [sum(column) / len(column) for column in zip(*results[name])] for name in ("in place", "rebuilt"))
-    print(f"\nmean over {args.rounds} rounds, per episode: in place {in_place:.2f} s ({in_place_merging:.3f} s merging), "
+    print(f"\nmean over {args.rounds} rounds, per episode: in place {in_place:.2f} s "
+          f"({in_place_merging:.3f} s merging), "
           f"rebuilt {rebuilt:.2f} s ({rebuilt_merging:.3f} s merging): in place takes {in_place / rebuilt:.2f}x the "
           f"time, and {in_place_merging / rebuilt_merging:.2f}x the merging. The wall-time ratio is only as steady as "
           f"the machine: compare it with the merging saved, {rebuilt_merging - in_place_merging:.3f} s per episode.")

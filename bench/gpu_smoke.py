@@ -88,8 +88,8 @@ def main() -> int:
     print(f"  {'total':<22} {sum(s for _, s in timings):7.0f} s")
     print(f"\n  {'model':<16} {'right':>6} {'hallucinated':>13} {'I dont know':>12} {'valid calls':>12}")
     for label, m in summary["models"].items():
-        print(f"  {label:<16} {m['accuracy'] or 0:>6.0%} {m['hallucination_rate'] or 0:>13.0%} {m['idk_rate'] or 0:>12.0%} "
-              f"{m['valid_tool_call_rate'] or 0:>12.0%}")
+        print(f"  {label:<16} {m['accuracy'] or 0:>6.0%} {m['hallucination_rate'] or 0:>13.0%} "
+              f"{m['idk_rate'] or 0:>12.0%} {m['valid_tool_call_rate'] or 0:>12.0%}")
     for pair in summary.get("pairs", []):
         print(f"  {pair['b']} vs {pair['a']}: {pair['only_b']} vs {pair['only_a']} questions only one got right, "
               f"McNemar p = {pair['p_value']:.2g}")

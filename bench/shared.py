@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.summary import OUTCOMES, mcnemar_exact  # noqa: E402
+from email_agent.evaluation.scores import OUTCOMES, mcnemar_exact
 
 
 def run(label: str, *args: str) -> float:
@@ -56,7 +56,8 @@ def answers_by_model(results_path: Path) -> dict[str, dict]:
         if line.strip():
             r = json.loads(line)
             if not r.get("error"):
-                correct.setdefault(r["model"], {})[r["question_id"]] = bool((r.get("metrics") or {}).get("answer_correct"))
+                correct.setdefault(r["model"], {})[r["question_id"]] = bool(
+                    (r.get("metrics") or {}).get("answer_correct"))
     return correct
 
 

@@ -95,7 +95,7 @@ def stop_on_sigterm() -> None:
 def check_text_arguments(argv: list[str]) -> None:
     """An argument that is not UTF-8 (typed in a Latin-1 terminal, say) is one error, not a traceback where it is
     first written or sent (Python keeps such bytes as lone surrogates)."""
-    from .data import DataError
+    from email_agent.errors import DataError
 
     for arg in argv:
         try:
@@ -133,7 +133,7 @@ def run_cancellable(coroutine) -> None:
     abandoned and the backend shut down by the coroutine's own `finally`."""
     import asyncio
 
-    from .rollout import rollout
+    from email_agent.agent.rollout import IN_FLIGHT
 
     loop = asyncio.new_event_loop()
     task = loop.create_task(coroutine)
@@ -142,9 +142,8 @@ def run_cancellable(coroutine) -> None:
         # ART's gather counts a cancelled rollout as a failed one and goes on with the others, so cancelling the
         # run alone would wait for the whole step's rollouts: the rollouts in flight are cancelled too.
         task.cancel()
-        for other in asyncio.all_tasks(loop):
-            if getattr(other.get_coro(), "cr_code", None) is rollout.__code__:
-                other.cancel()
+        for rollout_task in list(IN_FLIGHT):
+            rollout_task.cancel()
 
     loop.add_signal_handler(signal.SIGTERM, stop)
     loop.add_signal_handler(signal.SIGINT, stop)
@@ -179,8 +178,8 @@ def run_command(command, argv: list[str] | None, *, interrupted: str | Callable[
     after Ctrl-C or SIGTERM with `interrupted` (or what it returns) said; anything else is a bug and raises."""
     import sqlite3
 
-    from .data import DataError
-    from .runs import storage_problem
+    from email_agent.errors import DataError
+    from email_agent.runs import storage_problem
 
     stop_on_sigterm()
     try:

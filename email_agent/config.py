@@ -11,9 +11,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .backends import ART_DIR, PROJECT, run_path
-from .data import DataError
-from .episode import EpisodeShape
+from email_agent.runs import ART_DIR, PROJECT, run_path
+from email_agent.errors import DataError
+from email_agent.agent.episode import EpisodeShape
 
 EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
 
@@ -28,7 +28,7 @@ class TrainConfig:
     project: str = PROJECT  # ART project (also the W&B project)
     art_dir: str = ART_DIR  # where runs live
     fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
-    preflight: bool = False  # gather one step's groups, say whether GRPO can learn from them, exit 1 if not; no training
+    preflight: bool = False  # gather one step's groups, say if GRPO can learn from them (exit 1 if not); trains nothing
     seed: int = 0  # one seed for question order, sampling and LoRA init
     backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
     base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
@@ -39,7 +39,7 @@ class TrainConfig:
     val_size: int = 100  # validation questions, held out of the *train* split (the test split stays unseen)
     single_source: bool = True  # only questions answered by one email (as ART·E trains)
     min_realistic: float = 0.0  # only questions with how_realistic >= this
-    unanswerable_share: float = 0.0  # share of GRPO questions asked the day before their gold email (best reply: I don't know)
+    unanswerable_share: float = 0.0  # share of GRPO questions asked before their gold email came (best: I don't know)
     # ---- ALGO LOGIC: GRPO hyperparameters (ART·E agent_008 on GPU) ----
     groups_per_step: int = 12  # questions per step
     rollouts_per_group: int = 4  # rollouts per question; GRPO compares them
@@ -123,7 +123,7 @@ def given_flags(args) -> dict:
 def cpu_preset(args) -> dict:
     """The CPU preset's values a run on the CPU backend (named, or chosen for want of CUDA) takes without --demo:
     those of `CPU_PRESET_KEYS` not given as flags."""
-    from . import backends
+    from email_agent import backends
 
     given = given_flags(args)
     if given.get("demo") or backends.resolve_backend(given.get("backend", "auto")) != "cpu":

@@ -18,9 +18,15 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .backends import ART_DIR, PROJECT, run_path
-from .data import DataError
-from .episode import EpisodeShape
+from email_agent.agent.episode import EpisodeShape
+from email_agent.errors import DataError
+
+ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
+PROJECT = "email-agent"  # the ART (and W&B) project
+
+
+def run_path(art_dir: str, project: str, name: str) -> Path:
+    return Path(art_dir) / project / "models" / name
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,8 @@ class Run:
     @property
     def base_model(self) -> str:
         if not self.config.get("base_model"):
-            raise DataError(f"{self.path / 'run_config.json'} is missing or names no base_model; is this a training run?")
+            raise DataError(f"{self.path / 'run_config.json'} is missing or names no base_model; "
+                            "is this a training run?")
         return self.config["base_model"]
 
     @property
@@ -275,7 +282,8 @@ async def check_state(directory: Path, state: dict, model) -> dict:
     says the warm start ended after the latest checkpoint (checkpoints deleted) lets the warm start resume."""
     step = await model.get_step()
     history = directory / "history.jsonl"
-    warm_started = history.is_file() and 'sft_epoch"' in history.read_text(errors="replace")  # logged as train/sft_epoch
+    # logged as train/sft_epoch
+    warm_started = history.is_file() and 'sft_epoch"' in history.read_text(errors="replace")
     if step and warm_started and not state:
         raise DataError(f"run {directory.name!r} has checkpoints up to step {step} but no state.json, so where its "
                         f"warm start ended is unknown; restore that file, or start over with --fresh")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from .redact import redact
+from email_agent.redact import redact
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from art.utils.get_model_step import get_step_from_dir
 from art.utils.output_dirs import get_model_dir, get_step_checkpoint_dir
 
 from email_agent import backends
-from email_agent.backends import gpu as gpu_checks
+from email_agent.backends import art_backends as gpu_checks
 from scripted_server import serve_in_thread
 
 gpu_checks.allow_art_without_megatron()  # as make_backend does: ART 0.5.18's get_model_config imports megatron
-from art.dev.get_model_config import get_model_config  # noqa: E402
+from art.dev.get_model_config import get_model_config
 
 
 class GPUService:

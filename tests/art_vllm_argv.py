@@ -18,15 +18,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), sys.argv[1]]
 
-import email_agent  # noqa: E402,F401  (offline environment defaults)
-from email_agent import backends  # noqa: E402
-from email_agent.backends import gpu as gpu_checks  # noqa: E402
+import email_agent  # noqa: F401  (offline environment defaults)
+from email_agent import backends
+from email_agent.backends import art_backends as gpu_checks
 
-import train_email_search_agent as cli  # noqa: E402
+import train_email_search_agent as cli
 
 gpu_checks.allow_art_without_megatron()
-import art.unsloth.service as service_module  # noqa: E402
-from art.dev.get_model_config import get_model_config  # noqa: E402
+import art.unsloth.service as service_module
+from art.dev.get_model_config import get_model_config
 
 
 class Stop(Exception):

@@ -9,8 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import email_agent  # noqa: E402,F401  (offline environment defaults)
-from email_agent import build, data, demo, questions  # noqa: E402
+import email_agent  # noqa: F401  (offline environment defaults)
+from email_agent.data import build, email_db, demo, questions
 
 ENRON = ROOT.parent / "shared" / "data" / "enron"
 ENRON_EMAILS = ENRON / "emails.jsonl.gz"
@@ -30,7 +30,7 @@ def demo_db_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_db(demo_db_path):
-    db = data.EmailDB(demo_db_path)
+    db = email_db.EmailDB(demo_db_path)
     yield db
     db.close()
 
@@ -40,14 +40,14 @@ def enron_db_path(tmp_path_factory) -> Path:
     if not ENRON_EMAILS.exists():
         pytest.skip(f"the real Enron sample is not at {ENRON}")
     path = tmp_path_factory.mktemp("enron") / "enron.db"
-    build.build_database(data.read_emails(ENRON_EMAILS), questions.read_questions(ENRON_QUESTIONS), path,
+    build.build_database(email_db.read_emails(ENRON_EMAILS), questions.read_questions(ENRON_QUESTIONS), path,
                         source="enron sample", progress=False)
     return path
 
 
 @pytest.fixture(scope="session")
 def enron_db(enron_db_path):
-    db = data.EmailDB(enron_db_path)
+    db = email_db.EmailDB(enron_db_path)
     yield db
     db.close()
 
@@ -94,7 +94,7 @@ def session_vllm(request, tmp_path_factory):
     from email_agent.backends import CPU_BASE_MODEL
     from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, served_model_dir
     from email_agent.backends.vllm_server import URL_ENV, VLLM_PYTHON, VLLMServer
-    from email_agent.evaluation import cpu_served_name
+    from email_agent.evaluation.players import cpu_served_name
 
     wanted = any(item.get_closest_marker("slow") for item in request.session.items)
     if not wanted or URL_ENV in os.environ or not VLLM_PYTHON.is_file():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from email_agent import questions as qmod
+from email_agent.data import questions as qmod
 from scripted_server import call, expert_script, serve_in_thread
 from art_doubles import on_a_gpu_machine
 from test_evaluate import GPU_SHAPE, make_gpu_run
@@ -107,7 +107,8 @@ def test_ask_out_of_turns_and_made_up_sources(demo_db_path, q, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--inbox", "nobody@nowhere.example"], "has no mail sent or received by 'nobody@nowhere.example'; its largest inboxes: "),
+    (["--inbox", "nobody@nowhere.example"],
+     "has no mail sent or received by 'nobody@nowhere.example'; its largest inboxes: "),
     (["--as-of", "yesterday"], "--as-of must be a date"),
     (["--as-of", ""], "--as-of must be a date like 2001-05-31, not ''"),
     (["--as-of", "2024-04-24T23:59 garbage"], "not '2024-04-24T23:59 garbage'"),
@@ -127,7 +128,7 @@ def test_ask_bad_input_is_one_clear_error(demo_db_path, q, tmp_path, capsys, arg
 
 
 def test_a_timestamp_as_of_is_its_day(demo_db, q):
-    from email_agent.ask import adhoc_question
+    from email_agent.apps.ask import adhoc_question
 
     assert adhoc_question(demo_db, "Where?", q.inbox_address, "2024-04-24T23:59").query_date == "2024-04-24"
 
@@ -138,7 +139,7 @@ def test_the_rollout_hook_sees_every_action(demo_db, q):
     answer, leaves out its parsed arguments as every other good call's outcome has them."""
     import asyncio
 
-    from email_agent.rollout import Policy, RolloutConfig, rollout
+    from email_agent.agent.rollout import Policy, RolloutConfig, rollout
     from openai import AsyncOpenAI
 
     seen = []

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 from email_agent import backends
-from email_agent.backends import gpu as gpu_checks
+from email_agent.backends import art_backends as gpu_checks
 
 import train_email_search_agent as cli
 
@@ -74,7 +74,8 @@ def test_the_default_7b_fits_a_24_gb_card_at_the_default_share_and_not_at_the_ol
     assert "use a smaller model (--base-model Qwen/Qwen2.5-7B-Instruct)" in missing[0]
     # something else on the GPU
     busy = gpu_checks.GPU("busy", 23.6, 9.0)
-    assert any(m.startswith("free GPU memory: 9.0 GiB free") for m in gpu_checks.readiness("local", config(), busy, {}).missing)
+    assert any(m.startswith("free GPU memory: 9.0 GiB free")
+               for m in gpu_checks.readiness("local", config(), busy, {}).missing)
 
 
 @pytest.mark.parametrize("card, model", [(16, "Qwen/Qwen2.5-1.5B-Instruct"), (24, "Qwen/Qwen2.5-7B-Instruct"),
@@ -137,10 +138,10 @@ try:
     import art.dev.get_model_config
 except ModuleNotFoundError as exc:
     print("without guard:", exc)
-from email_agent.backends import gpu
+from email_agent.backends import art_backends
 for name in [m for m in sys.modules if m.startswith("art.megatron") or m == "art.dev.get_model_config"]:
     del sys.modules[name]
-gpu.allow_art_without_megatron()
+art_backends.allow_art_without_megatron()
 from art.dev.get_model_config import get_model_config
 print("with guard:", get_model_config("Qwen/Qwen2.5-7B-Instruct", "/tmp/x", None)["peft_args"]["target_modules"])
 """

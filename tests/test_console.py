@@ -19,7 +19,7 @@ for i in range(200):
     bar.update(1)
     bar.set_postfix({"reward": i / 200})
     if i == 100:
-        logging.getLogger("email_agent.rollout").info("half way")
+        logging.getLogger("email_agent.agent.rollout").info("half way")
 bar.close()
 """
 

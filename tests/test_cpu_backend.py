@@ -19,18 +19,18 @@ import pytest
 from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBackend, load_base_model
 from email_agent.backends.cpu import model as model_module
 from email_agent.backends.vllm_server import URL_ENV
-from email_agent.training_data import for_grpo
-from email_agent.data import DataError
+from email_agent.training.training_data import for_grpo
+from email_agent.errors import DataError
 from hermes_calls import parse_tool_calls
 
-import art  # noqa: E402
-import openai  # noqa: E402
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from art._backend_training import build_rl_train_configs  # noqa: E402
-from art.preprocessing.tokenize import tokenize_trajectory_groups  # noqa: E402
-from openai.types.chat.chat_completion import Choice  # noqa: E402
-from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
+import art
+import openai
+import psutil
+import torch
+from art._backend_training import build_rl_train_configs
+from art.preprocessing.tokenize import tokenize_trajectory_groups
+from openai.types.chat.chat_completion import Choice
+from transformers.utils.chat_template_utils import render_jinja_template
 
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search_emails", "description": "Search the inbox for emails matching all keywords.",
@@ -229,7 +229,8 @@ def test_train_step_moves_logprobs_checkpoints_and_resumes(loop, tmp_path):
     # ART LocalBackend's keys, which the training loop's step line reads
     assert {"loss/train", "loss/grad_norm", "data/step_num_trajectories", "data/step_num_groups_trainable",
             "data/step_trainer_tokens", "time/step_trainer_s"} <= set(result.metrics)
-    assert result.metrics["data/step_num_trajectories"] == 2 and result.metrics["data/step_num_trained_trajectories"] == 2
+    assert (result.metrics["data/step_num_trajectories"] == 2
+            and result.metrics["data/step_num_trained_trajectories"] == 2)
     assert result.metrics["data/step_trainer_tokens"] == sampled
     assert result.metrics["loss/grad_norm"] > 0
     checkpoint = tmp_path / "test" / "models" / "agent" / "checkpoints" / "0001"
@@ -484,7 +485,7 @@ def test_close_ends_its_vllm_and_frees_port_and_threads(loop, tmp_path, monkeypa
     # tqdm's multiprocessing lock (first progress bar) starts Python's resource tracker; it is not ours.
     shared = set()  # the test session's vLLM (tests/conftest.py), which this backend did not start
     if session_vllm is not None:
-        wrapper = psutil.Process(session_vllm._process.pid)
+        wrapper = psutil.Process(session_vllm.pid)
         shared = {wrapper.pid, *(p.pid for p in wrapper.children(recursive=True))}
     children = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.pid not in shared]
     assert [c for c in children if "multiprocessing.resource_tracker" not in " ".join(c)] == []

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, needs_enron
-from email_agent import data, questions
-from email_agent.build import build_database
+from email_agent.data import email_db, questions
+from email_agent.data.build import build_database
 from email_agent.config import TrainConfig
-from email_agent.data import EmailDB, normalize_email
-from email_agent.tools import TOOLS, Inbox, call_tool, parse_arguments
+from email_agent.data.email_db import EmailDB, normalize_email
+from email_agent.agent.tools import TOOLS, Inbox, call_tool, parse_arguments
 
 
 def record(i, **over):
@@ -93,11 +93,12 @@ def test_date_bounds(small_db):
     future = "<m31@x>"
     assert future in {r.message_id for r in db.search("bob@x.com", ["falcon"], max_results=20)}
     visible = {r.message_id for r in db.search("bob@x.com", ["falcon"], max_results=20,
-                                              visible_until=data.day_after("2001-06-30"))}
+                                              visible_until=email_db.day_after("2001-06-30"))}
     assert future not in visible and len(visible) == 10
-    assert db.read(future, visible_until=data.day_after("2001-06-30")) is None
-    assert db.read(future, visible_until=data.day_after("2001-07-15")) is not None  # same day stays visible
-    after = {r.message_id for r in db.search("bob@x.com", ["falcon"], sent_after="2001-05-05", sent_before="2001-05-07")}
+    assert db.read(future, visible_until=email_db.day_after("2001-06-30")) is None
+    assert db.read(future, visible_until=email_db.day_after("2001-07-15")) is not None  # same day stays visible
+    after = {r.message_id for r in db.search("bob@x.com", ["falcon"], sent_after="2001-05-05",
+                                             sent_before="2001-05-07")}
     assert after == {"<m4@x>", "<m5@x>"}  # dated 05-05 and 05-06: after is inclusive, before exclusive
     with pytest.raises(ValueError):
         db.search("bob@x.com", ["falcon"], sent_after="last tuesday")
@@ -175,7 +176,8 @@ def test_the_agents_search_keeps_its_filters_and_its_default_count(small_db):
     assert found(to_address="erin@x.com") == [] and len(found(to_address="carol@x.com")) == 3
     assert sorted(found(sent_after="2001-05-05", sent_before="2001-05-07")) == ["<m4@x>", "<m5@x>"]
     assert "<m31@x>" not in found(max_results=20)  # sent on 07-15, after the question's day
-    assert "<m31@x>" in {r["message_id"] for r in Inbox(db, "bob@x.com", "2001-07-15").search_inbox(["falcon"], max_results=20)}
+    assert "<m31@x>" in {r["message_id"]
+                         for r in Inbox(db, "bob@x.com", "2001-07-15").search_inbox(["falcon"], max_results=20)}
     empty = call_tool(inbox, "search_inbox", {"keywords": ["zebra"]})
     assert (empty.error, empty.result) == (None, []) and empty.content.startswith("No emails matched")
 
@@ -189,7 +191,8 @@ def test_the_agents_read_shows_what_tells_it_something_and_cuts_long_bodies(smal
     assert "file_name" not in shown and "bcc_addresses" not in shown  # empty or the agent's no business: not shown
     assert shown["cc_addresses"] == ["carol@x.com"] and shown["subject"] == "subject 2"
     assert shown["body"] == body[:10] + f"\n[... {len(body) - 10} more characters cut]"
-    whole = call_tool(Inbox(db, "bob@x.com", "2001-06-30", max_body_chars=len(body)), "read_email", {"message_id": "<m2@x>"})
+    whole = call_tool(Inbox(db, "bob@x.com", "2001-06-30", max_body_chars=len(body)), "read_email",
+                      {"message_id": "<m2@x>"})
     assert whole.result["body"] == body  # a body of exactly the limit is not cut
     hidden = call_tool(Inbox(db, "bob@x.com", "2001-06-30"), "read_email", {"message_id": "<m30@x>"})
     assert (hidden.error, hidden.result) == (None, None) and "no email with message_id '<m30@x>'" in hidden.content
@@ -257,14 +260,14 @@ def test_read_for_a_person_and_the_text_of_mail_and_search_results(small_db):
                                "body number 2 about the falcon pipeline")
     two = dataclasses.replace(email, to_addresses=["bob@x.com", "dan@x.com"], bcc_addresses=["eve@x.com"])
     assert "\nTo: bob@x.com, dan@x.com\nCc: carol@x.com\nBcc: eve@x.com\nSubject: " in two.as_text()
-    with pytest.raises(data.DataError) as bare:
+    with pytest.raises(email_db.DataError) as bare:
         db.read_or_explain("m2@x")
     assert str(bare.value) == "No email with message_id 'm2@x' (ids are written with angle brackets: '<m2@x>')."
-    with pytest.raises(data.DataError) as missing:
+    with pytest.raises(email_db.DataError) as missing:
         db.read_or_explain("<m99@x>")
     assert str(missing.value) == "No email with message_id '<m99@x>'."
     words = " ".join(f"word{i:02d}" for i in range(30))  # 30 x 6 characters + spaces: wraps after 14 words
-    result = data.SearchResult("<m2@x>", "subject 2", "alice@x.com", "2001-05-03 10:00:00", "  " + words + "\n ")
+    result = email_db.SearchResult("<m2@x>", "subject 2", "alice@x.com", "2001-05-03 10:00:00", "  " + words + "\n ")
     assert result.as_text(3).splitlines() == [
         " 3. 2001-05-03 10:00:00  alice@x.com  subject 2", "    <m2@x>",
         "    " + " ".join(f"word{i:02d}" for i in range(14)), "    " + " ".join(f"word{i:02d}" for i in range(14, 28)),
@@ -276,28 +279,28 @@ def test_what_hides_an_email_and_which_inboxes_exist_are_said_in_full(small_db, 
     malformed; a mistyped inbox lists the five largest, "address (count)" apart by commas; a snippet of 101
     characters is wrapped at 100."""
     _, db = small_db
-    with pytest.raises(data.DataError) as other_inbox:
+    with pytest.raises(email_db.DataError) as other_inbox:
         db.read_or_explain("<m30@x>", inbox="bob@x.com")  # erin's email, asked in bob's inbox
     assert str(other_inbox.value) == ("Email '<m30@x>' exists, but --inbox bob@x.com hides it (not that inbox's, "
                                       "or sent after that day).")
-    with pytest.raises(data.DataError) as both:
+    with pytest.raises(email_db.DataError) as both:
         db.read_or_explain("<m31@x>", inbox="bob@x.com", as_of="2001-06-30")  # sent 07-15
     assert "exists, but --inbox bob@x.com --as-of 2001-06-30 hides it" in str(both.value)
-    with pytest.raises(data.DataError, match="^--as-of must be a date like 2001-05-31, not '2001-06-30x'$"):
-        data.visible_until("2001-06-30x")
+    with pytest.raises(email_db.DataError, match="^--as-of must be a date like 2001-05-31, not '2001-06-30x'$"):
+        email_db.visible_until("2001-06-30x")
     people = [f"p{i}@x.com" for i in range(7)]  # p0 in 7 emails, p1 in 6, ... p6 in 1; each sender in 1
     build_database([record(i, from_address=f"s{i}@x.com", to_addresses=people[:7 - i], cc_addresses=[])
                     for i in range(7)], [], tmp_path / "p.db", source="t", progress=False)
     many = EmailDB(tmp_path / "p.db")
     try:
-        with pytest.raises(data.DataError) as typo:
+        with pytest.raises(email_db.DataError) as typo:
             many.require_inbox("p9@x.com")
         assert str(typo.value).startswith(f"{tmp_path / 'p.db'} has no mail")  # the database searched
         assert str(typo.value).endswith("has no mail sent or received by 'p9@x.com'; its largest inboxes: "
                                         "p0@x.com (7), p1@x.com (6), p2@x.com (5), p3@x.com (4), p4@x.com (3).")
     finally:
         many.close()
-    wide = data.SearchResult("<m2@x>", "s", "a@x.com", "2001-05-03 10:00:00", "a" * 50 + " " + "b" * 50)
+    wide = email_db.SearchResult("<m2@x>", "s", "a@x.com", "2001-05-03 10:00:00", "a" * 50 + " " + "b" * 50)
     assert wide.as_text(1).splitlines()[2:] == ["    " + "a" * 50, "    " + "b" * 50]
 
 
@@ -308,8 +311,8 @@ def test_a_keyword_with_a_double_quote_and_a_timestamp_for_a_day(small_db):
     _, db = small_db
     phrase = [r.message_id for r in db.search("bob@x.com", ["falcon pipeline"])]
     assert len(phrase) == 10 and [r.message_id for r in db.search("bob@x.com", ['falcon"pipeline'])] == phrase
-    assert data.day_start("2001-06-30 17:45:00") == "2001-06-30 00:00:00"
-    assert data.day_after("2001-06-30T17:45:00") == "2001-07-01 00:00:00"
+    assert email_db.day_start("2001-06-30 17:45:00") == "2001-06-30 00:00:00"
+    assert email_db.day_after("2001-06-30T17:45:00") == "2001-07-01 00:00:00"
 
 
 def test_one_database_serves_many_threads(small_db):
@@ -328,10 +331,10 @@ def test_database_is_read_only(small_db):
 
 
 def test_missing_or_foreign_database(tmp_path):
-    with pytest.raises(data.DataError, match="build-db"):
+    with pytest.raises(email_db.DataError, match="build-db"):
         EmailDB(tmp_path / "nope.db")
     (tmp_path / "junk.db").write_text("not sqlite")
-    with pytest.raises(data.DataError, match="cannot be read as an email database of this tool"):
+    with pytest.raises(email_db.DataError, match="cannot be read as an email database of this tool"):
         EmailDB(tmp_path / "junk.db")
 
 
@@ -360,7 +363,7 @@ def test_failed_build_keeps_previous_database(tmp_path):
         build_database(exploding(), [], path, source="t", progress=False)
     assert EmailDB(path).read("<m1@x>") is not None
     assert list(tmp_path.iterdir()) == [path]
-    with pytest.raises(data.DataError, match="No usable emails"):
+    with pytest.raises(email_db.DataError, match="No usable emails"):
         build_database([{"subject": "x"}], [], tmp_path / "b.db", source="t", progress=False)
     assert not (tmp_path / "b.db").exists()
 
@@ -368,7 +371,7 @@ def test_failed_build_keeps_previous_database(tmp_path):
 SLOW_BUILD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from email_agent.build import build_database
+from email_agent.data.build import build_database
 from email_agent.cli import stop_on_sigterm
 stop_on_sigterm()  # as the CLI does: SIGTERM unwinds like Ctrl-C
 def emails():
@@ -402,7 +405,7 @@ def test_jsonl_gz_and_bad_lines(tmp_path):
     path = tmp_path / "e.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write(json.dumps(record(1)) + "\n{not json\n\n" + json.dumps(record(2)) + "\n")
-    summary = build_database(data.read_emails(path), [], tmp_path / "a.db", source="t", progress=False)
+    summary = build_database(email_db.read_emails(path), [], tmp_path / "a.db", source="t", progress=False)
     assert summary.emails == 2 and summary.skipped == {"line 2 is not JSON": 1}
 
 
@@ -418,7 +421,7 @@ def test_maildir_and_mbox_sources(tmp_path):
     box.add(msg)
     box.close()
     for source in (tmp_path / "maildir", tmp_path / "mail.mbox"):
-        rows = [normalize_email(r) for r in data.read_emails(source)]
+        rows = [normalize_email(r) for r in email_db.read_emails(source)]
         assert len(rows) == 1
         row = rows[0]
         assert row["date"] == "2001-05-14 23:39:00"  # converted to UTC
@@ -427,8 +430,8 @@ def test_maildir_and_mbox_sources(tmp_path):
         assert row["subject"] == "Forecastupdate"  # CMU-style fold removed
         assert row["body"].strip() == "Here is our forecast."
     assert rows[0]["file_name"].endswith("#0")
-    with pytest.raises(data.DataError):
-        data.read_emails(tmp_path / "missing.jsonl")
+    with pytest.raises(email_db.DataError):
+        email_db.read_emails(tmp_path / "missing.jsonl")
 
 
 def test_a_folder_of_json_lines_parquet_and_mail_files(tmp_path):
@@ -441,18 +444,19 @@ def test_a_folder_of_json_lines_parquet_and_mail_files(tmp_path):
     pq.write_table(pa.Table.from_pylist([record(3)]), folder / "part2.parquet")
     (folder / "one.eml").write_bytes(b"Message-ID: <eml1@x>\nDate: Mon, 14 May 2001 16:39:00 -0700\n"
                                      b"From: a@x.com\nTo: b@x.com\nSubject: Hi\n\nHello.\n")
-    ids = sorted(normalize_email(r)["message_id"] for r in data.read_emails(folder))
+    ids = sorted(normalize_email(r)["message_id"] for r in email_db.read_emails(folder))
     assert ids == ["<eml1@x>", "<m1@x>", "<m2@x>", "<m3@x>"]
 
 
 def test_records_of_the_wrong_shape_are_skipped_and_counted_not_fatal(tmp_path):
     lines = ["\ufeff" + json.dumps(record(1)), "[1, 2]", "42", "null", json.dumps(record(2, message_id=7)),
-             json.dumps(record(3, to_addresses=5)), json.dumps(record(4, subject=["x"])), json.dumps(record(5, body={"a": 1})),
-             json.dumps(record(6, body="lone \ud800 surrogate")), json.dumps(record(8, date=988000000)),
-             json.dumps(record(9, date=988000000000))]
+             json.dumps(record(3, to_addresses=5)), json.dumps(record(4, subject=["x"])),
+             json.dumps(record(5, body={"a": 1})), json.dumps(record(6, body="lone \ud800 surrogate")),
+             json.dumps(record(8, date=988000000)), json.dumps(record(9, date=988000000000))]
     (tmp_path / "e.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     qs = [question(i, id=qid, message_ids=[f"<m{i}@x>"]) for i, qid in ((1, "a"), (9, "a"), (8, "b"))]
-    summary = build_database(data.read_emails(tmp_path / "e.jsonl"), qs, tmp_path / "a.db", source="t", progress=False)
+    summary = build_database(email_db.read_emails(tmp_path / "e.jsonl"), qs, tmp_path / "a.db", source="t",
+                             progress=False)
     assert summary.emails == 5  # the BOM line, the numeric id, the surrogate, both Unix times
     assert summary.skipped == {"not a JSON object": 3, "to_addresses is neither an address nor a list of them": 1,
                                "subject is not text": 1, "body is not text": 1}
@@ -474,22 +478,21 @@ def test_a_question_whose_inbox_does_not_hold_its_email_is_not_answerable(tmp_pa
 
 
 def test_a_build_refuses_another_programs_database_and_a_folder_it_cannot_write(tmp_path):
-    from email_agent.build import check_target
+    from email_agent.data.build import check_target
 
     other = tmp_path / "contacts.db"
     with sqlite3.connect(other) as conn:
         conn.execute("CREATE TABLE contacts (name)")
-    with pytest.raises(data.DataError, match="another program's SQLite database \\(tables: contacts\\)"):
+    with pytest.raises(email_db.DataError, match="another program's SQLite database \\(tables: contacts\\)"):
         check_target(other, [], brings_questions=True)
     check_target(other, [], brings_questions=True, overwrite=True)
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(data.DataError, match="cannot write the database at"):
+    with pytest.raises(email_db.DataError, match="cannot write the database at"):
         build_database([record(1)], [], tmp_path / "afile" / "x.db", source="t", progress=False)
 
 
 def test_a_build_leaves_the_temporary_file_of_a_running_build_alone(tmp_path):
     running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    finished = subprocess.run([sys.executable, "-c", "pass"])  # noqa: F841  (its pid is no longer running)
     try:
         live, dead = tmp_path / f"a.db.tmp-{running.pid}", tmp_path / "a.db.tmp-999999999"
         live.write_text("another build"), dead.write_text("a killed build")
@@ -504,30 +507,31 @@ def test_databases_that_lack_what_search_reads_are_refused_when_opened(tmp_path)
     build_database([record(1)], [], tmp_path / "a.db", source="t", progress=False)
     with sqlite3.connect(tmp_path / "a.db") as conn:
         conn.execute("DROP TABLE mailbox")
-    with pytest.raises(data.DataError, match="no such table: mailbox"):
+    with pytest.raises(email_db.DataError, match="no such table: mailbox"):
         EmailDB(tmp_path / "a.db")
 
 
 def test_dates_at_the_end_of_the_calendar_and_malformed_ones():
-    assert data.visible_until("9999-12-31") > "9999-12-31 23:59:59"
+    assert email_db.visible_until("9999-12-31") > "9999-12-31 23:59:59"
     with pytest.raises(ValueError, match="not a date: '99999-01-01'"):
-        data.day_start("99999-01-01")
+        email_db.day_start("99999-01-01")
     # years before 1000 keep four digits, so dates still compare as text (strftime wrote year 999 as '999')
-    assert data.parse_date("0999-06-01") == "0999-06-01 00:00:00" < data.day_start("2024-01-01")
-    with pytest.raises(data.SkipRecord, match="unparseable date"):  # before the first day there is, in UTC
-        data.parse_date("0001-01-01T00:00:00+05:00")
+    assert email_db.parse_date("0999-06-01") == "0999-06-01 00:00:00" < email_db.day_start("2024-01-01")
+    with pytest.raises(email_db.SkipRecord, match="unparseable date"):  # before the first day there is, in UTC
+        email_db.parse_date("0001-01-01T00:00:00+05:00")
 
 
 def test_a_file_or_folder_without_mail_says_so(tmp_path):
     (tmp_path / "notes.mbox").write_text("hello\nnot mail\n")
     (tmp_path / "empty.mbox").write_text("")
-    with pytest.raises(data.DataError, match="is not an mbox file: its first line is 'hello'"):
-        data.read_emails(tmp_path / "notes.mbox")
-    with pytest.raises(data.DataError, match="is not an mbox file: it is empty"):
-        data.read_emails(tmp_path / "empty.mbox")
+    with pytest.raises(email_db.DataError, match="is not an mbox file: its first line is 'hello'"):
+        email_db.read_emails(tmp_path / "notes.mbox")
+    with pytest.raises(email_db.DataError, match="is not an mbox file: it is empty"):
+        email_db.read_emails(tmp_path / "empty.mbox")
     (tmp_path / "folder").mkdir()
-    with pytest.raises(data.DataError, match=r"^No emails in folder\.$"):
-        build_database(data.read_emails(tmp_path / "folder"), [], tmp_path / "a.db", source="folder", progress=False)
+    with pytest.raises(email_db.DataError, match=r"^No emails in folder\.$"):
+        build_database(email_db.read_emails(tmp_path / "folder"), [], tmp_path / "a.db", source="folder",
+                       progress=False)
     assert not (tmp_path / "a.db").exists()
 
 
@@ -547,7 +551,7 @@ def test_hub_schema_via_parquet(tmp_path):
         "bcc": [["c@x.com"]], "date": [dt.datetime(2001, 3, 4, 5, 6, 7)], "body": ["hello"],
         "file_name": ["x/1."]}, features=features)
     ds.to_parquet(tmp_path / "hub.parquet")
-    build_database(data.read_emails(tmp_path / "hub.parquet"), [], tmp_path / "a.db", source="t", progress=False)
+    build_database(email_db.read_emails(tmp_path / "hub.parquet"), [], tmp_path / "a.db", source="t", progress=False)
     email = EmailDB(tmp_path / "a.db").read("<h1@x>")
     assert (email.date, email.to_addresses, email.bcc_addresses) == ("2001-03-04 05:06:07", ["b@x.com"], ["c@x.com"])
     for row in ds:  # what read_hub_emails yields goes through the same normaliser
@@ -556,14 +560,15 @@ def test_hub_schema_via_parquet(tmp_path):
 
 def test_hub_questions_are_both_splits_each_row_tagged_with_its_own(monkeypatch):
     hub = {"corbt/enron_emails_sample_questions": {"train": [{"id": 1}, {"id": 2}], "test": [{"id": 3}]}}
-    monkeypatch.setattr(data, "load_hub_dataset", hub.__getitem__)
+    monkeypatch.setattr(email_db, "load_hub_dataset", hub.__getitem__)
     assert list(questions.read_hub_questions()) == [{"id": 1, "split": "train"}, {"id": 2, "split": "train"},
                                                     {"id": 3, "split": "test"}]
 
 
 def test_hub_unreachable_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--db", "/dev/null/x"],
+    proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--db",
+                           "/dev/null/x"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -625,7 +630,8 @@ def test_a_question_record_is_read_as_given_and_refused_with_its_reason():
                                                                    "bob@x.com", "2001-06-30", "train")
     one = questions.normalize_question({**raw, "message_ids": "<a@x>", "how_realistic": None, "split": "test"})
     assert (one.message_ids, one.how_realistic, one.split) == (["<a@x>"], None, "test")
-    for bad, reason in [("not a record", "not an object: 'not a record'"), ({"_error": "line 3 is not JSON"}, "line 3 is not JSON"),
+    for bad, reason in [("not a record", "not an object: 'not a record'"),
+                        ({"_error": "line 3 is not JSON"}, "line 3 is not JSON"),
                         ({**raw, "answer": None, "inbox_address": None}, "missing answer, inbox_address"),
                         ({**raw, "answer": " ", "message_ids": []}, "empty answer, message_ids"),
                         ({**raw, "query_date": "someday"}, "someday"), ({**raw, "how_realistic": "very"}, "very")]:
@@ -635,9 +641,9 @@ def test_a_question_record_is_read_as_given_and_refused_with_its_reason():
 
 
 def test_question_files_that_are_not_there_are_one_line_errors(tmp_path):
-    with pytest.raises(data.DataError, match="is a folder; give the questions file"):
+    with pytest.raises(email_db.DataError, match="is a folder; give the questions file"):
         questions.read_questions(tmp_path)
-    with pytest.raises(data.DataError, match="No such question file"):
+    with pytest.raises(email_db.DataError, match="No such question file"):
         questions.read_questions(tmp_path / "q.jsonl")
     (tmp_path / "q.jsonl").write_text(json.dumps(question(1)) + "\n")
     assert list(questions.read_questions(tmp_path / "q.jsonl")) == [question(1)]
@@ -676,10 +682,10 @@ def test_a_runs_questions_hold_out_validation_then_train_then_replays(small_db):
     assert questions.training_questions(db, TrainConfig(val_size=0, train_limit=1, single_source=False, seed=None,
                                                         unanswerable_share=0.5))[1:] == (
         [one], [one, dataclasses.replace(questions.withheld(one, db), id="1-withheld")])
-    with pytest.raises(data.DataError, match=r"No answerable training questions in small.db \(after holding out 2 "
+    with pytest.raises(email_db.DataError, match=r"No answerable training questions in small.db \(after holding out 2 "
                                              r"for validation: a smaller --val-size, or write some"):
         questions.training_questions(db, TrainConfig(db="small.db", val_size=2, single_source=False))
-    with pytest.raises(data.DataError, match=r"No answerable training questions in small.db \(write some"):
+    with pytest.raises(email_db.DataError, match=r"No answerable training questions in small.db \(write some"):
         questions.training_questions(db, TrainConfig(db="small.db", val_size=0, min_realistic=0.95))
 
 
@@ -691,7 +697,8 @@ def test_question_selection_seed_and_limit_and_replay_share(demo_db):
     val, rest, grpo = questions.training_questions(demo_db, TrainConfig(val_size=2, train_limit=10, seed=3,
                                                                         unanswerable_share=0.2))
     assert val + rest == questions.select_questions(demo_db, "train", single_source=True, seed=3)[:12]  # the run's seed
-    assert grpo == questions.with_unanswerable(rest, demo_db, 0.2, seed=3) != questions.with_unanswerable(rest, demo_db, 0.2)
+    assert (grpo == questions.with_unanswerable(rest, demo_db, 0.2, seed=3)
+            != questions.with_unanswerable(rest, demo_db, 0.2))
     mixed = questions.with_unanswerable(train[:20], demo_db, 0.2, seed=3)
     replays = mixed[20:]
     assert len(replays) == 5 and all(q.id.endswith("-withheld") for q in replays)  # 5 of 25 = 20%
@@ -791,7 +798,8 @@ def test_unreadable_source_files_are_one_line_errors(tmp_path, name, content, me
 def test_search_and_read_mistakes_say_what_went_wrong(demo_db_path):
     """A mistyped inbox is not an empty search, and a hidden email is not a missing one."""
     def run(*args):
-        proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), *args, "--db", str(demo_db_path)],
+        proc = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), *args, "--db",
+                               str(demo_db_path)],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         return proc.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from email_agent.demo import generate, write_jsonl
+from email_agent.data.demo import generate, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 STOPWORDS = {"what", "when", "where", "which", "whom", "whose", "does", "with", "from", "that", "this", "have",
@@ -21,7 +21,7 @@ EMAIL_FIELDS = {"message_id": str, "date": str, "subject": str, "from_address": 
                 "cc_addresses": list, "bcc_addresses": list, "body": str, "file_name": str, "inbox": str}
 QUESTION_FIELDS = {"id": int, "question": str, "answer": str, "message_ids": list, "how_realistic": float,
                    "inbox_address": str, "query_date": str, "split": str}
-DIGEST = ("import hashlib, json\nfrom email_agent.demo import generate\n"
+DIGEST = ("import hashlib, json\nfrom email_agent.data.demo import generate\n"
           "emails, questions = generate(0)\n"
           "lines = [json.dumps(r, ensure_ascii=False, sort_keys=True) for r in emails + questions]\n"
           "print(hashlib.sha256('\\n'.join(lines).encode()).hexdigest())\n")

@@ -9,10 +9,11 @@ import time
 import pytest
 
 from conftest import ROOT, needs_enron
-from email_agent import evaluation, report, runs
-from email_agent import questions as qmod
-from email_agent.data import DataError
-from email_agent.rewards import JUDGE_PROBE, judge_request
+from email_agent.evaluation import players, report
+from email_agent import runs
+from email_agent.data import questions as qmod
+from email_agent.errors import DataError
+from email_agent.agent.rewards import JUDGE_PROBE, judge_request
 from art_doubles import GPUService, on_a_gpu_machine
 from scripted_server import call, expert_script, serve_in_thread
 
@@ -76,7 +77,7 @@ def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns
     events, playing, most = [], dict.fromkeys(dict(labels), 0), {}
 
     async def play():
-        schedule = evaluation.Schedule(contestants, rollouts_each=5, concurrency=2, cpu_at_once=2)
+        schedule = players.Schedule(contestants, rollouts_each=5, concurrency=2, cpu_at_once=2)
 
         async def one(label, i):
             async with schedule.turn(label):
@@ -139,7 +140,8 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     # only the evaluation's own files move: a folder that holds other things keeps them
     (tmp_path / "third" / "demo.db").write_text("not ours")
     assert run_cli("--rejudge", tmp_path / "second", "--output", tmp_path / "third") == 0
-    assert (tmp_path / "third" / "demo.db").read_text() == "not ours" and (tmp_path / "third" / "results.jsonl").exists()
+    assert ((tmp_path / "third" / "demo.db").read_text() == "not ours"
+            and (tmp_path / "third" / "results.jsonl").exists())
     assert sorted(p.name for p in max(tmp_path.glob("third-*"), key=lambda p: p.stat().st_mtime).iterdir()) == [
         "report.html", "report.md", "results.jsonl", "summary.json"]
 
@@ -215,7 +217,7 @@ def test_a_judge_that_cannot_run_stops_the_evaluation_before_any_rollout(demo_db
 def test_judge_retries_only_transient_errors(status, requests):
     import asyncio
 
-    from email_agent.rewards import LLMJudge
+    from email_agent.agent.rewards import LLMJudge
 
     with serve_in_thread({"*": [{"status": status}] * 5}) as server:
         judge = LLMJudge("openai/judge", api_base=server.base_url, retries=3)
@@ -421,7 +423,7 @@ def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_que
 
 def test_two_steps_of_one_gpu_run_share_one_backend(demo_db_path, demo_questions, tmp_path, monkeypatch):
     """Each ART backend starts a trainer and a vLLM on the GPU: two steps of one run must not start two."""
-    run = make_gpu_run(tmp_path / "art")
+    make_gpu_run(tmp_path / "art")
     with on_a_gpu_machine(monkeypatch, {q.question: expert_script(q) for q in demo_questions[:2]}) as (made, server, _):
         rc = run_cli("--db", demo_db_path, "--model", "gpu@1", "--model", "gpu", "--limit", 2,
                      "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
@@ -507,7 +509,7 @@ def test_model_specs_are_checked_before_any_model_is_served(demo_db_path, tmp_pa
     async def no_serving(*args, **kwargs):
         raise AssertionError("a model was served")
 
-    monkeypatch.setattr(evaluation, "serve_on_cpu", no_serving)
+    monkeypatch.setattr(players, "serve_on_cpu", no_serving)
     argv = [arg for spec in specs for arg in ("--model", spec)]
     assert run_cli("--db", demo_db_path, *argv, "--art-dir", tmp_path / "art", "--output", tmp_path / "out") == 1
     err = capsys.readouterr().err
@@ -570,7 +572,8 @@ def test_wandb_traces_rollouts_and_judge_with_weave(demo_db_path, demo_questions
     monkeypatch.setattr(weave, "init", lambda project, **kw: inits.append(project))
     real = tracing.traced_rollout
     monkeypatch.setattr(tracing, "traced_rollout",
-                        lambda project, rollout, judge=None: wrapped.append(real(project, rollout, judge)) or wrapped[-1])
+                        lambda project, rollout, judge=None: (wrapped.append(real(project, rollout, judge))
+                                                              or wrapped[-1]))
     with serve_in_thread({"x": {demo_questions[0].question: expert_script(demo_questions[0])}}) as server:
         assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/x", "--base-url", server.base_url, "--limit", 1,
                        "--wandb", "--project", "my-proj", "--output", tmp_path, "--art-dir", tmp_path / "art") == 0
@@ -582,8 +585,8 @@ def test_traced_rollout_wraps_the_judge_and_never_requires_weave(monkeypatch):
     import weave
     from weave.trace.op import is_op
 
-    from email_agent.rewards import LLMJudge
-    from email_agent.rollout import rollout
+    from email_agent.agent.rewards import LLMJudge
+    from email_agent.agent.rollout import rollout
     from email_agent.tracing import traced_rollout
 
     judge = LLMJudge("openai/judge")
@@ -599,9 +602,9 @@ def test_traced_rollout_wraps_the_judge_and_never_requires_weave(monkeypatch):
 def test_a_crashing_rollout_keeps_the_finished_ones(demo_db_path, demo_questions, tmp_path, monkeypatch):
     import asyncio
 
-    import email_agent.rollout
+    import email_agent.agent.rollout
 
-    real_rollout = email_agent.rollout.rollout
+    real_rollout = email_agent.agent.rollout.rollout
     crash_on = demo_questions[1].question
 
     async def buggy_rollout(policy, question, db, config):
@@ -610,7 +613,7 @@ def test_a_crashing_rollout_keeps_the_finished_ones(demo_db_path, demo_questions
             raise RuntimeError("a bug in our own code")
         return await real_rollout(policy, question, db, config)
 
-    monkeypatch.setattr(email_agent.rollout, "rollout", buggy_rollout)
+    monkeypatch.setattr(email_agent.agent.rollout, "rollout", buggy_rollout)
     scripts = {"expert": {q.question: expert_script(q) for q in demo_questions[:2]}}
     with serve_in_thread(scripts) as server:
         with pytest.raises(RuntimeError, match="a bug in our own code"):  # surfaces: it is a bug, not a failure

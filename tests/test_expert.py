@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from email_agent import build
-from email_agent.data import EmailDB
-from email_agent.expert import Ceiling, expert_episodes, holds_answer, sent_window
-from email_agent.questions import select_questions
-from email_agent.rollout import RolloutConfig
+from email_agent.data import build
+from email_agent.data.email_db import EmailDB
+from email_agent.agent.expert import Ceiling, expert_episodes, holds_answer, sent_window
+from email_agent.data.questions import select_questions
+from email_agent.agent.rollout import RolloutConfig
 
 ME = "tana.jones@corp.example"
 
@@ -97,7 +97,8 @@ def test_a_search_that_finds_nothing_ends_in_i_dont_know(inbox):
 
 def test_the_expert_abstains_on_its_last_turn_and_its_ceiling_says_so(inbox):
     trajs = episodes(inbox, max_turns=2)  # a search and an answer: no turn to read
-    assert all(calls(t)[-1] == ("return_final_answer", {"answer": "I don't know", "sources": []}) for t in trajs.values())
+    assert all(calls(t)[-1] == ("return_final_answer", {"answer": "I don't know", "sources": []})
+               for t in trajs.values())
     ceiling = Ceiling.of(list(trajs.values()))
     assert (ceiling.questions, ceiling.solved, ceiling.abstained, ceiling.out_of_turns) == (5, 0, 5, 0)
     full = Ceiling.of(list(episodes(inbox).values()))

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 import train_email_search_agent as cli
 from conftest import QWEN_STYLE_TEMPLATE
-from email_agent.data import DataError
-from email_agent.export import export, rope_permute
-from email_agent.questions import select_questions
-from email_agent.rollout import SYSTEM_PROMPT
-from email_agent.tools import TOOLS, Inbox, call_tool
+from email_agent.errors import DataError
+from email_agent.apps.export import export, rope_permute
+from email_agent.data.questions import select_questions
+from email_agent.agent.rollout import SYSTEM_PROMPT
+from email_agent.agent.tools import TOOLS, Inbox, call_tool
 
 SHAPE = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -116,7 +116,7 @@ def test_an_output_in_use_is_refused_and_force_moves_it_aside(tmp_path):
 
 
 def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
-    from email_agent import export as module
+    from email_agent.apps import export as module
 
     make_run(tmp_path, "qwen", "local", "Qwen/Qwen2.5-7B-Instruct", steps=(1,))
 
@@ -201,7 +201,8 @@ def test_gpu_run_merges_its_lora_into_the_base_with_peft(tmp_path, monkeypatch):
     peft.save_pretrained(run / "checkpoints" / "0004")
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no Hugging Face, without its retries
-    with pytest.raises(DataError, match="cannot load the base model Qwen/Qwen2.5-0.5B-Instruct: it is neither in the Hugging Face cache.*--base-model"):
+    with pytest.raises(DataError, match="cannot load the base model Qwen/Qwen2.5-0.5B-Instruct: it is neither in the "
+                                        "Hugging Face cache.*--base-model"):
         export("qwen", "merged", tmp_path / "out", art_dir=str(tmp_path))
     assert not (tmp_path / "out").exists()
 
@@ -289,8 +290,8 @@ def lora_tokens(base_model: str, checkpoint, prompts, n: int) -> list[list[int]]
 def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         ids = torch.tensor([prompt_ids])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=2,
-                             pad_token_id=2)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             eos_token_id=2, pad_token_id=2)
     return out[0, len(prompt_ids):].tolist()
 
 

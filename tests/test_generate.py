@@ -13,10 +13,11 @@ from datetime import date, timedelta
 import pytest
 
 from conftest import ROOT
-from email_agent import generate
-from email_agent.build import build_database
-from email_agent.data import DataError, EmailDB
-from email_agent.questions import select_questions
+from email_agent.data import generate
+from email_agent.data.build import build_database
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB
+from email_agent.data.questions import select_questions
 from scripted_server import serve_in_thread
 
 ALICE, BOB = "alice@x.com", "bob@y.com"
@@ -164,7 +165,8 @@ def test_split_never_shares_an_email_between_train_and_test():
 
 def test_replies_that_never_parse_are_counted_and_all_failures_are_one_error(db_path, capsys):
     with serve_in_thread({"gen": lambda body: {"text": '{"answers": []}'}}) as server:
-        with pytest.raises(DataError, match='no usable reply for any of the first 3 batches \\(reply has no "questions" list\\)'):
+        with pytest.raises(DataError, match='no usable reply for any of the first 3 batches '
+                                            '\\(reply has no "questions" list\\)'):
             generate.generate_questions(db_path, config(server.base_url), progress=False)
     assert len(server.requests) == 6 and stored(db_path) == []
 
@@ -200,7 +202,8 @@ def test_a_model_that_fails_for_some_batches_loses_only_those(db_path):
 
 
 def run_cli(*args, env=None):
-    return subprocess.Popen([sys.executable, str(ROOT / "train_email_search_agent.py"), "generate-questions", *map(str, args)],
+    return subprocess.Popen([sys.executable, str(ROOT / "train_email_search_agent.py"), "generate-questions",
+                             *map(str, args)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
 

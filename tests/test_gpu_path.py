@@ -16,12 +16,13 @@ from art.preprocessing.tokenize import (_messages_for_chat_template, _normalize_
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
-from email_agent import backends, training_data
-from email_agent import questions as qmod
+from email_agent import backends
+from email_agent.training import training_data
+from email_agent.data import questions as qmod
 from hermes_calls import parse_tool_calls
-from email_agent.rollout import Policy, RolloutConfig, rollout
-from email_agent.sft import expert_trajectories
-from email_agent.tools import parse_arguments
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.training.warm_start import expert_trajectories
+from email_agent.agent.tools import parse_arguments
 from scripted_server import ScriptedServer, as_vllm_renders, call, expert_script
 
 import train_email_search_agent as cli

@@ -22,11 +22,12 @@ import art
 import pytest
 
 from conftest import ROOT
-from email_agent import backends, training_data
-from email_agent import questions as qmod
-from email_agent.backends import gpu as gpu_checks
-from email_agent.rollout import RolloutConfig
-from email_agent.sft import expert_trajectories, warm_start
+from email_agent import backends
+from email_agent.training import training_data
+from email_agent.data import questions as qmod
+from email_agent.backends import art_backends as gpu_checks
+from email_agent.agent.rollout import RolloutConfig
+from email_agent.training.warm_start import expert_trajectories, warm_start
 
 import train_email_search_agent as cli
 from art_doubles import GPUService, on_a_gpu_machine
@@ -83,7 +84,8 @@ def test_the_warm_start_through_art_s_local_backend_trains_exactly_the_assistant
             # unsloth's masking starts right after "<|im_start|>assistant" (the newline is trained, an off-by-one
             # of its own) and ends after the newline that follows <|im_end|>
             assert tokenizer.decode(trained) == "".join(reply + "\n" for reply in replies)
-            assert all("<tool_call>" in reply for reply in replies) and "<tool_response>" not in tokenizer.decode(trained)
+            assert (all("<tool_call>" in reply for reply in replies)
+                    and "<tool_response>" not in tokenizer.decode(trained))
 
 
 CHILD = """

@@ -10,10 +10,10 @@ import art
 import pytest
 from openai import AsyncOpenAI
 
-from email_agent import rewards
-from email_agent import questions as qmod
-from email_agent.data import DataError
-from email_agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent import rewards
+from email_agent.data import questions as qmod
+from email_agent.errors import DataError
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
 from scripted_server import ScriptedServer, expert_script
 
 ACCEPT = {"text": json.dumps({"reasoning": "same facts", "accept": True})}
@@ -145,7 +145,9 @@ def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):
     (verdicts, the judge's requests)."""
     from scripted_server import serve_in_thread
 
-    script = lambda body, seen=[]: replies[min(len(seen.append(body) or seen), len(replies)) - 1]  # noqa: E731
+    def script(body, seen=[]):
+        return replies[min(len(seen.append(body) or seen), len(replies)) - 1]
+
     with serve_in_thread({"judge": {"*": script}}) as server:
         judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=retries, cache_path=cache_path)
         verdicts = [asyncio.run(judge.verdict(question, gold, answer)) for answer in answers]
@@ -227,7 +229,7 @@ def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db
     """What the train loop does once a judge that was down is back (`regrade`). Catches: the answer or its sources
     not read back from the episode, outcome fields left from the offline fallback, and the run's hallucination
     penalty dropped from the new reward."""
-    from email_agent.rollout import regrade
+    from email_agent.agent.rollout import regrade
 
     scripts = {"agent": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}
 
@@ -259,7 +261,7 @@ def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db
 def test_a_regraded_episode_the_judge_accepts_is_rewarded_in_the_runs_mode(demo_db, q, reward):
     """Catches a re-graded reward computed in another mode than the run's, or without the number of sources (the
     shaped reward's citing bonus is divided by it)."""
-    from email_agent.rollout import regrade
+    from email_agent.agent.rollout import regrade
 
     scripts = {"agent": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}
 

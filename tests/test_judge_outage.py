@@ -8,8 +8,9 @@ import time
 import pytest
 
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
-from email_agent import judging, rewards
-from email_agent import questions as qmod
+from email_agent.training import judge_outages
+from email_agent.agent import rewards
+from email_agent.data import questions as qmod
 from email_agent.backends.cpu import checkpoints
 
 import train_email_search_agent as cli
@@ -37,8 +38,8 @@ def ruler_scores(body, *scores):
 
 @pytest.fixture
 def quick_waits(monkeypatch):
-    monkeypatch.setattr(judging, "FIRST_WAIT_S", 0.05)
-    monkeypatch.setattr(judging, "MAX_WAIT_S", 0.2)
+    monkeypatch.setattr(judge_outages, "FIRST_WAIT_S", 0.05)
+    monkeypatch.setattr(judge_outages, "MAX_WAIT_S", 0.2)
 
 
 def run(monkeypatch, demo_db, demo_db_path, tmp_path, model_dir, judge, tokenizer, **overrides):
@@ -211,9 +212,12 @@ def test_a_checkpoint_that_cannot_be_written_leaves_no_half_folder(tmp_path, mon
                                         num_attention_heads=2, num_key_value_heads=1))
     peft = get_peft_model(tiny, LoraConfig(r=2, target_modules=["q_proj"]))
     optimizer = torch.optim.AdamW([p for p in peft.parameters() if p.requires_grad])
-    save = lambda step: checkpoints.save_checkpoint(  # noqa: E731
-        str(tmp_path), step, peft, optimizer, seed=0, train_rng=torch.get_rng_state(),
-        sampling_rng=random.Random(0), mode="rl")
+
+    def save(step):
+        return checkpoints.save_checkpoint(
+            str(tmp_path), step, peft, optimizer, seed=0, train_rng=torch.get_rng_state(),
+            sampling_rng=random.Random(0), mode="rl")
+
     save(1)
 
     def no_space(*args, **kwargs):

@@ -9,10 +9,11 @@ import quopri
 
 import pytest
 
-from email_agent import data
-from email_agent.build import build_database
-from email_agent.data import DataError, EmailDB, normalize_email
-from email_agent.mime import decode_bytes, decode_header, html_to_text, message_body
+from email_agent.data import email_db
+from email_agent.data.build import build_database
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB, normalize_email
+from email_agent.data.mime import decode_bytes, decode_header, html_to_text, message_body
 
 
 def crlf(text: str) -> bytes:
@@ -131,7 +132,7 @@ def mbox(*messages: bytes) -> bytes:
 
 
 def records(path):
-    return {r["message_id"]: r for r in (normalize_email(x) for x in data.read_emails(path))}
+    return {r["message_id"]: r for r in (normalize_email(x) for x in email_db.read_emails(path))}
 
 
 def test_gmail_takeout_mbox(tmp_path):
@@ -187,7 +188,8 @@ def test_thunderbird_profile_and_nested_maildirs(tmp_path):
                  "me.db.tmp-4242", "me.db-journal", "me.db.questions-cache.jsonl"):
         (md / junk).write_bytes(b"3 V1 N1\n")
     (md / ".Sent" / "maildirfolder").write_bytes(b"")
-    summary = build_database(data.read_emails(tmp_path / "export"), [], tmp_path / "tb.db", source="t", progress=False)
+    summary = build_database(email_db.read_emails(tmp_path / "export"), [], tmp_path / "tb.db", source="t",
+                             progress=False)
     assert summary.emails == 6 and summary.duplicates == 1 and summary.skipped == {}
     db = EmailDB(tmp_path / "tb.db")
     try:
@@ -196,7 +198,8 @@ def test_thunderbird_profile_and_nested_maildirs(tmp_path):
         assert db.read("<DM6PR01@outlook.com>").file_name == "export/Local Folders/Archives.sbd/2024.sbd/Receipts#1"
         hits = db.search("ana@example.com", ["Kaffeemühle"])
         assert [h.message_id for h in hits] == ["<CAF2@mail.gmail.com>"]
-        assert db.search("ana@example.com", ["zzattachmentzz"]) == [] and db.search("ana@example.com", ["zzpdfzz"]) == []
+        assert (db.search("ana@example.com", ["zzattachmentzz"]) == []
+                and db.search("ana@example.com", ["zzpdfzz"]) == [])
         assert db.search("ana@example.com", ["zzforwardedzz"]) == []
         assert [h.message_id for h in db.search("ana@example.com", ["Atlas", "budget"])] == ["<DM6PR01@outlook.com>"]
     finally:
@@ -208,7 +211,7 @@ def test_single_eml_and_outlook_archives(tmp_path):
     assert list(records(tmp_path / "one.eml")) == ["<DM6PR01@outlook.com>"]
     (tmp_path / "Outlook.pst").write_bytes(b"!BDN....")
     with pytest.raises(DataError, match="Outlook archive.*export the folders as mbox"):
-        data.read_emails(tmp_path / "Outlook.pst")
+        email_db.read_emails(tmp_path / "Outlook.pst")
 
 
 @pytest.mark.parametrize("payload,charset,expected", [

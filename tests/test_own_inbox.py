@@ -15,8 +15,8 @@ from email.utils import format_datetime
 import pytest
 
 from conftest import ENRON_EMAILS, ROOT
-from email_agent import questions as qmod
-from email_agent.data import EmailDB, parse_date
+from email_agent.data import questions as qmod
+from email_agent.data.email_db import EmailDB, parse_date
 from scripted_server import expert_script, serve_in_thread
 
 ME = "me@home.example"
@@ -84,7 +84,8 @@ def test_walkthrough_build_generate_evaluate(walkthrough):
     assert len(test_qs) == 4 and len(train_qs) == 12
     assert not {m for q in test_qs for m in q.message_ids} & {m for q in train_qs for m in q.message_ids}
     html_only = db.read("<locker1@home.example>")
-    assert html_only.body == "Hi!\n\nThe code for Harbor locker 1 is 4037." and "PDF" not in db.read("<locker0@home.example>").body
+    assert (html_only.body == "Hi!\n\nThe code for Harbor locker 1 is 4037."
+            and "PDF" not in db.read("<locker0@home.example>").body)
     db.close()
     agent.update({q.question: expert_script(q) for q in test_qs})
     command("test_email_search_agent.py", "--db", tmp / "my.db", "--model", "hosted_vllm/scripted", "--base-url",
@@ -104,8 +105,8 @@ def test_walkthrough_cpu_warm_start_from_a_teacher(walkthrough):
     agent[train_qs[0].question] = expert_script(train_qs[0], answer="9999")  # a wrong answer
     shape = ["--max-turns", 3, "--max-body-chars", 600, "--search-results", 3]
     command("test_email_search_agent.py", "--db", tmp / "my.db", "--split", "train", "--single-source", "--model",
-            "hosted_vllm/scripted", "--base-url", server.base_url, "--output", tmp / "teacher", "--art-dir", tmp / "art",
-            *shape)
+            "hosted_vllm/scripted", "--base-url", server.base_url, "--output", tmp / "teacher", "--art-dir",
+            tmp / "art", *shape)
     result = command("train_email_search_agent.py", "train", "--db", tmp / "my.db", "--name", "distil", "--art-dir",
                      tmp / "art", "--sft-from", tmp / "teacher", "--sft-only", "--sft-epochs", 1, "--sft-batch-size", 4,
                      *shape, "--max-tokens", 48, "--val-size", 0, "--cpu-train-threads", 1)
@@ -136,8 +137,8 @@ def real_mail_writer(body):
     phone number did SENDER give about SUBJECT?", citing that email."""
     questions = []
     for mid, sender, subject, text in re.findall(r'<email id="([^"]+)">\nDate: [^\n]*\nFrom: ([^\n]*)\nTo: [^\n]*\n'
-                                                 r'Subject: ([^\n]*)\n\n(.*?)\n</email>', body["messages"][-1]["content"],
-                                                 re.S):
+                                                 r'Subject: ([^\n]*)\n\n(.*?)\n</email>',
+                                                 body["messages"][-1]["content"], re.S):
         phone = PHONE.search(text)
         if phone and subject.strip():
             questions.append({"question": f"What phone number did {sender.split('@')[0]} give about "
@@ -155,12 +156,14 @@ def write_real_mbox(path, inbox_folder, count):
             if record["inbox"] != inbox_folder or "\n" in record["subject"] + record["from_address"]:
                 continue
             msg = Message()  # compat32: Enron's address lists hold tokens a strict header parser refuses
-            msg["From"], msg["Subject"], msg["Message-ID"] = record["from_address"], record["subject"], record["message_id"]
+            msg["From"], msg["Subject"], msg["Message-ID"] = (record["from_address"], record["subject"],
+                                                              record["message_id"])
             if record["to_addresses"]:
                 msg["To"] = ", ".join(record["to_addresses"])
             if record["cc_addresses"]:
                 msg["Cc"] = ", ".join(record["cc_addresses"])
-            msg["Date"] = format_datetime(datetime.fromisoformat(parse_date(record["date"])).replace(tzinfo=timezone.utc))
+            msg["Date"] = format_datetime(
+                datetime.fromisoformat(parse_date(record["date"])).replace(tzinfo=timezone.utc))
             msg.set_payload(record["body"], charset="utf-8")
             box.add(msg)
             written += 1

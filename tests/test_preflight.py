@@ -15,9 +15,9 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 
 from conftest import ROOT
-from email_agent import backends, preflight
-from email_agent import questions as qmod
-from email_agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.training import step_health
+from email_agent.data import questions as qmod
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
 from art_doubles import on_a_gpu_machine
 from scripted_server import ScriptedServer, call, expert_script
 
@@ -58,27 +58,27 @@ def record(db, qs, plays, logprobs=True):
 
 
 def test_untrained_policy_cannot_learn(demo_db, qs):
-    h = preflight.measure(record(demo_db, qs, ["chatty", "chatty"]), gather_s=12.0)
+    h = step_health.measure(record(demo_db, qs, ["chatty", "chatty"]), gather_s=12.0)
     assert (h.groups, h.rollouts, h.trainable_groups, h.valid_call_rate) == (4, 8, 0, 0.0)
     assert h.no_answer == 1.0 and h.mean_reward == pytest.approx(-0.5 - 0.2) and h.turns_without_logprobs == 0.0
-    verdict = preflight.diagnose(h, reward_mode="offline")
+    verdict = step_health.diagnose(h, reward_mode="offline")
     assert not verdict.ok and verdict.headline.startswith("cannot learn: no valid tool calls")
     assert "--sft-from expert" in verdict.headline
     # a warm start that is configured but has not run yet is the fix to name
-    pending = preflight.diagnose(h, reward_mode="offline", sft_from="demo-expert", warm_start_pending=True)
+    pending = step_health.diagnose(h, reward_mode="offline", sft_from="demo-expert", warm_start_pending=True)
     assert "--sft-only" in pending.headline
-    assert "no rollout made a valid tool call" in preflight.idle_cause(h)
+    assert "no rollout made a valid tool call" in step_health.idle_cause(h)
 
 
 def test_warm_started_policy_passes(demo_db, qs):
     groups = record(demo_db, qs, ["expert", "wrong", "idk", "expert"])
-    h = preflight.measure(groups, gather_s=30.0)
+    h = step_health.measure(groups, gather_s=30.0)
     assert (h.trainable_groups, h.ruler_errors, h.judge_errors) == (4, 0, 0)
     assert h.answered == 0.75 and h.correct == 0.5 and h.hallucinated == 0.25 and h.i_dont_know == 0.25
     assert h.valid_call_rate == 1.0 and h.reward_spread > 0.5
-    verdict = preflight.diagnose(h, reward_mode="offline")
+    verdict = step_health.diagnose(h, reward_mode="offline")
     assert verdict.ok and verdict.warnings == [] and verdict.headline.startswith("can learn: 4 of 4 groups")
-    lines = "\n".join(preflight.report(h, verdict, groups_per_step=4, rollouts_per_group=4, concurrency=8))
+    lines = "\n".join(step_health.report(h, verdict, groups_per_step=4, rollouts_per_group=4, concurrency=8))
     for text in ("4/4 (100%) have reward variance", "valid tool calls     100%", "50% correct, 25% hallucinated",
                  "25% I don't know", "0% of 32 assistant turns", "about 30s of rollouts per step"):
         assert text in lines
@@ -87,44 +87,44 @@ def test_warm_started_policy_passes(demo_db, qs):
 def test_few_trainable_groups_and_missing_logprobs(demo_db, qs):
     same = record(demo_db, qs, ["expert", "expert"])  # every rollout alike: nothing to compare
     mixed = record(demo_db, qs[:1], ["expert", "wrong"])
-    h = preflight.measure(same + mixed)
+    h = step_health.measure(same + mixed)
     assert (h.trainable_groups, h.groups) == (1, 5)
-    verdict = preflight.diagnose(h, reward_mode="offline")
+    verdict = step_health.diagnose(h, reward_mode="offline")
     assert not verdict.ok and verdict.headline.startswith("learns little: only 1 of 5 groups")
     assert "--rollouts-per-group" in verdict.headline
-    judged = preflight.diagnose(h, reward_mode="judge")
+    judged = step_health.diagnose(h, reward_mode="judge")
     assert "--reward shaped" in judged.headline
 
-    bare = preflight.measure(record(demo_db, qs, ["expert", "wrong"], logprobs=False))
+    bare = step_health.measure(record(demo_db, qs, ["expert", "wrong"], logprobs=False))
     assert bare.turns_without_logprobs == 1.0
-    verdict = preflight.diagnose(bare, reward_mode="offline")
+    verdict = step_health.diagnose(bare, reward_mode="offline")
     assert not verdict.ok and "no assistant turn has logprobs" in verdict.headline
-    assert "no logprobs" in preflight.idle_cause(bare)
+    assert "no logprobs" in step_health.idle_cause(bare)
 
 
 def test_step_metrics(demo_db, qs):
     groups = record(demo_db, qs[:2], ["expert", "wrong"]) + record(demo_db, qs[2:], ["idk", "idk"])
-    h = preflight.measure(groups)
+    h = step_health.measure(groups)
     sampled = sum(len(c.logprobs.content) for g in groups for t in g.trajectories for c in t.messages_and_choices
                   if not isinstance(c, dict))
     # ART's LocalBackend and the CPU backend both report the sampled tokens the update trained on, under ART's keys
     trained_keys = {"loss/train": 0.1, "data/step_trainer_tokens": 3.0, "data/step_num_groups_trainable": 2.0}
-    m = preflight.step_metrics(h, groups, trained_keys, max_seq_length=8192)
+    m = step_health.step_metrics(h, groups, trained_keys, max_seq_length=8192)
     assert m == {"trainable_group_share": 0.5, "trained_token_share": pytest.approx(3 / sampled),
                  "ruler_errors": 0.0, "judge_errors": 0.0, "close_groups": 0.0, "too_long": 0.0}
     skipped = {"data/step_trainer_tokens": 0.0, "data/step_num_groups_trainable": 0.0}  # ART's skipped step
-    assert preflight.step_metrics(h, groups, skipped, 8192)["trained_token_share"] == 0.0
+    assert step_health.step_metrics(h, groups, skipped, 8192)["trained_token_share"] == 0.0
     # a backend that reports neither (a remote one): estimated from the sampled tokens of groups with variance
     expected = sum(len(c.logprobs.content) for g in groups[:2] for t in g.trajectories for c in t.messages_and_choices
                    if not isinstance(c, dict)) / sampled
-    assert preflight.step_metrics(h, groups, {}, 8192)["trained_token_share"] == pytest.approx(expected)
+    assert step_health.step_metrics(h, groups, {}, 8192)["trained_token_share"] == pytest.approx(expected)
     # ART's gather overwrites completion_tokens with a per-turn mean: the token column does not read it
     for t in (t for g in groups for t in g.trajectories):
         t.metrics["completion_tokens"] = 0.5
-    trained = preflight.step_line(5, groups, trained_keys, m, 42.0)
+    trained = step_health.step_line(5, groups, trained_keys, m, 42.0)
     assert re.match(r"step +5 +reward [+-]\d\.\d{3} +accuracy 25% .* loss \+0\.1000 +trained on 50% of groups", trained)
     assert f"tokens {sampled / 8:.0f}  loss" in trained
-    idle = preflight.step_line(6, groups, skipped, preflight.step_metrics(h, groups, skipped, 8192), 42.0)
+    idle = step_health.step_line(6, groups, skipped, step_health.step_metrics(h, groups, skipped, 8192), 42.0)
     assert re.search(r"loss -  trained on \d+% of groups, 0% of tokens  LEARNED NOTHING", idle) and "nan" not in idle
 
 
@@ -135,9 +135,9 @@ def test_trajectories_too_long_to_train_are_counted(demo_db, qs):
         assert t.metrics["sequence_tokens"] == 110  # the last request's prompt + reply, as the server counted
     for t in groups[0].trajectories + groups[2].trajectories:  # the last group has no variance: never trained
         t.metrics["sequence_tokens"] = 9000
-    m = preflight.step_metrics(preflight.measure(groups), groups, {"data/step_trainer_tokens": 1.0}, 8192)
+    m = step_health.step_metrics(step_health.measure(groups), groups, {"data/step_trainer_tokens": 1.0}, 8192)
     assert m["too_long"] == 2.0
-    line = preflight.step_line(1, groups, {"loss/train": 0.1}, m, 1.0)
+    line = step_health.step_line(1, groups, {"loss/train": 0.1}, m, 1.0)
     assert "too long for --max-seq-length (not trained) 2" in line
 
 
@@ -146,18 +146,18 @@ def test_judge_failures_fail_the_preflight(demo_db, qs):
     for t in (t for g in groups for t in g.trajectories):
         t.metrics["judge_error"] = 1
         t.metadata["verdict_error"] = "judge openai/x failed after 3 tries (APIConnectionError: refused)"
-    h = preflight.measure(groups)
+    h = step_health.measure(groups)
     assert h.judge_errors == 8 and h.judged == 8
-    verdict = preflight.diagnose(h, reward_mode="shaped")
+    verdict = step_health.diagnose(h, reward_mode="shaped")
     assert not verdict.ok and verdict.headline.startswith("cannot learn: the judge failed on 100%")
     assert "APIConnectionError" in verdict.headline and "--judge-model" in verdict.headline
 
 
 def test_no_rollouts_at_all():
-    h = preflight.measure([])
-    verdict = preflight.diagnose(h, reward_mode="offline")
+    h = step_health.measure([])
+    verdict = step_health.diagnose(h, reward_mode="offline")
     assert not verdict.ok and verdict.headline.startswith("cannot learn: every rollout failed")
-    assert preflight.idle_cause(h).startswith("every rollout failed")
+    assert step_health.idle_cause(h).startswith("every rollout failed")
 
 
 # ---- the train loop: verdict on the first step, shares on every step, preflight trains nothing -----------
@@ -233,10 +233,10 @@ def test_untrained_cpu_model_gets_cannot_learn(demo_db_path, tmp_path):
 
 def test_a_run_whose_groups_mostly_lack_reward_variance_is_told_to_sample_more_widely():
     run_s = [0.67, 0.33, 0.67, 0.0, 0.17]  # bench/RESULTS.md run S, temperature 0.7: 37% over five steps
-    warning = preflight.low_variance_warning(run_s, 0.7)
+    warning = step_health.low_variance_warning(run_s, 0.7)
     assert warning.startswith("only 37% of the groups of the last 5 steps had reward variance")
     assert "--temperature" in warning
-    assert "--temperature" not in preflight.low_variance_warning(run_s, 1.0)  # already samples as trained
-    assert preflight.low_variance_warning(run_s[:4], 0.7) is None  # too few steps to tell
+    assert "--temperature" not in step_health.low_variance_warning(run_s, 1.0)  # already samples as trained
+    assert step_health.low_variance_warning(run_s[:4], 0.7) is None  # too few steps to tell
     run_t1 = [1.0, 0.83, 0.5, 0.67, 0.67]  # run T1, temperature 1.0: 73%
-    assert preflight.low_variance_warning(run_s + run_t1, 0.7) is None  # only the last five steps count
+    assert step_health.low_variance_warning(run_s + run_t1, 0.7) is None  # only the last five steps count

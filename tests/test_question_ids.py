@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from email_agent import build, data, demo
-from email_agent import questions as qmod
-from email_agent.sft import teacher_trajectories
+from email_agent.data import build, email_db, demo
+from email_agent.data import questions as qmod
+from email_agent.training.warm_start import teacher_trajectories
 from scripted_server import expert_script, serve_in_thread
 
 import test_email_search_agent as evaluate
@@ -35,7 +35,7 @@ def test_normalize_question_keeps_ids_as_given():
 
 
 def test_string_ids_in_the_database_and_selection(string_id_db):
-    db = data.EmailDB(string_id_db)
+    db = email_db.EmailDB(string_id_db)
     try:
         ids = [q.id for q in qmod.select_questions(db, "train")]
         assert any(isinstance(i, str) and i.startswith("q-") for i in ids) and any(isinstance(i, int) for i in ids)
@@ -62,7 +62,7 @@ def test_malformed_questions_are_shown_with_their_reason(tmp_path):
 
 
 def test_evaluate_report_rejudge_and_teacher_filter_with_string_ids(string_id_db, tmp_path):
-    db = data.EmailDB(string_id_db)
+    db = email_db.EmailDB(string_id_db)
     test_qs = qmod.select_questions(db, "test")
     picked = [q for q in test_qs if isinstance(q.id, int)][:1] + [q for q in test_qs if isinstance(q.id, str)][:2]
     scripts = {"expert": {q.question: expert_script(q) for q in test_qs},
@@ -72,7 +72,8 @@ def test_evaluate_report_rejudge_and_teacher_filter_with_string_ids(string_id_db
                               server.base_url, "--limit", "40", "--output", str(tmp_path / "ev"),
                               "--art-dir", str(tmp_path / "art")]) == 0
         assert evaluate.main(["--rejudge", str(tmp_path / "ev"), "--judge-model", "openai/judge", "--judge-base-url",
-                              server.base_url, "--output", str(tmp_path / "rj"), "--art-dir", str(tmp_path / "art")]) == 0
+                              server.base_url, "--output", str(tmp_path / "rj"), "--art-dir",
+                              str(tmp_path / "art")]) == 0
     for folder in ("ev", "rj"):
         records = [json.loads(line) for line in (tmp_path / folder / "results.jsonl").read_text().splitlines()]
         ids = [r["question_id"] for r in records]

@@ -1,12 +1,12 @@
-"""Tests for email_agent.report: statistics, history loading and the rendered reports."""
+"""Tests for email_agent.evaluation.report: statistics, history loading and the rendered reports."""
 import json
 import re
 
 import pytest
 
 from email_agent.redact import redact
-from email_agent.report import write_report
-from email_agent.summary import episode_outcome, load_history, summarize, wilson_interval
+from email_agent.evaluation.report import write_report
+from email_agent.evaluation.scores import episode_outcome, load_history, summarize, wilson_interval
 
 
 def _rec(model, qid, *, correct=1, halluc=0, idk=0, latency=1.0, valid=1, calls=1, cost=0.001, error=None,
@@ -120,7 +120,7 @@ def test_summarize_all_errored_model_is_all_wrong():
 
 
 def test_valid_tool_call_rate_counts_turns_without_a_call():
-    from email_agent.rewards import valid_tool_call_rate
+    from email_agent.agent.rewards import valid_tool_call_rate
 
     # One valid call in 4 turns of which 3 were plain text: 25%, not the 100% of calls alone.
     assert valid_tool_call_rate([{"tool_calls": 1, "valid_tool_calls": 1, "parse_errors": 3}]) == 0.25
@@ -130,7 +130,7 @@ def test_valid_tool_call_rate_counts_turns_without_a_call():
 
 
 def test_paired_mcnemar_for_every_pair_in_summary_and_reports(tmp_path):
-    from email_agent.summary import mcnemar_exact
+    from email_agent.evaluation.scores import mcnemar_exact
 
     # A right on 1-8, B right on 1-2; C errors everywhere (counted wrong). Question 9 only A and B played.
     records = [_rec("A", q, correct=int(q <= 8)) for q in range(1, 11)]
@@ -190,7 +190,8 @@ def test_untrusted_text_is_escaped_and_secrets_scrubbed(tmp_path):
         {"role": "system", "content": "key sk-abcdefgh12345678XYZ and Authorization: Bearer tok_123.secret"},
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "read_email", "arguments": '{"message_id": "<m1>"}'}}]},
+            {"id": "c1", "type": "function",
+             "function": {"name": "read_email", "arguments": '{"message_id": "<m1>"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "Body: " + evil + "x" * 5000},
     ]
     recs = [_rec("m", 1, answer=evil, messages=messages)]
@@ -214,7 +215,8 @@ def test_trace_verdict_badges(tmp_path, records):
 
 def test_load_history_skips_corrupt_lines(tmp_path):
     p = tmp_path / "history.jsonl"
-    p.write_text('{"step": 0, "val/reward": 0.1}\n\nnot json\n[1, 2]\n{"step": 5, "train/reward": 0.3}\n{"step": 10, "val/re')
+    p.write_text('{"step": 0, "val/reward": 0.1}\n\nnot json\n[1, 2]\n{"step": 5, "train/reward": 0.3}\n'
+                 '{"step": 10, "val/re')
     assert load_history(p) == [{"step": 0, "val/reward": 0.1}, {"step": 5, "train/reward": 0.3}]
     assert load_history(p, until_step=4) == [{"step": 0, "val/reward": 0.1}]  # the curve of checkpoint 4
 
@@ -242,9 +244,10 @@ def test_learning_curve_marks_the_warm_start_and_merges_a_steps_rows(tmp_path, r
             {"step": 2, "train/loss": 0.8}, {"step": 2, "train/sft_epoch": 2},
             {"step": 2, "val/reward": 0.1, "val/answer_correct": 0.4},
             {"step": 3, "train/reward": 0.2, "train/loss": 0.01},
-            {"step": 4, "train/reward": 0.3, "train/loss": 0.02}, {"step": 4, "val/reward": 0.3, "val/answer_correct": 0.5},
+            {"step": 4, "train/reward": 0.3, "train/loss": 0.02},
+            {"step": 4, "val/reward": 0.3, "val/answer_correct": 0.5},
             {"step": 5, "train/loss": 0.9}]  # an older run's SFT row (no marker) still counts as warm start
-    from email_agent.summary import warm_start_steps
+    from email_agent.evaluation.scores import warm_start_steps
 
     assert warm_start_steps(rows) == {1, 2, 5}
     paths = write_report(tmp_path, records, summarize(records), histories={"learn": rows[:-1]})
@@ -260,7 +263,7 @@ def test_learning_curve_marks_the_warm_start_and_merges_a_steps_rows(tmp_path, r
 def test_valid_tool_call_rate_counts_turns_without_a_call_as_failed_attempts():
     """Catches: a missing count taken as anything but 0 (an episode's metrics from an older evaluation may lack
     one), or turns of plain text left out of the attempts."""
-    from email_agent.rewards import valid_tool_call_rate
+    from email_agent.agent.rewards import valid_tool_call_rate
 
     assert valid_tool_call_rate([{"tool_calls": 3, "valid_tool_calls": 2}, {"parse_errors": 1}]) == 2 / 4
     assert valid_tool_call_rate([{"parse_errors": 2}, {"tool_calls": 2, "valid_tool_calls": 2}]) == 2 / 4
@@ -268,7 +271,7 @@ def test_valid_tool_call_rate_counts_turns_without_a_call_as_failed_attempts():
 
 
 def test_mcnemar_exact_matches_the_binomial():
-    from email_agent.summary import mcnemar_exact
+    from email_agent.evaluation.scores import mcnemar_exact
 
     assert mcnemar_exact(0, 0) == 1.0
     assert mcnemar_exact(5, 5) == 1.0
@@ -303,7 +306,8 @@ def test_every_mean_reads_its_own_metric():
     """Each per-model figure averages the metric it names (a misspelt key reads as "no data", n/a)."""
     def metrics(i):
         return {"num_turns": 2 + i, "ran_out_of_turns": i, "prompt_tokens": 1000 * (i + 1),
-                "completion_tokens": 10 * (i + 1), "sources_correct": i, "hallucinated": 0, "returned_i_dont_know": 1 - i}
+                "completion_tokens": 10 * (i + 1), "sources_correct": i, "hallucinated": 0,
+                "returned_i_dont_know": 1 - i}
     rs = [{**_rec("m", i), "metrics": {**_rec("m", i)["metrics"], **metrics(i)}} for i in (0, 1)]
     m = summarize(rs)["models"]["m"]
     assert (m["avg_turns"], m["ran_out_of_turns_rate"], m["mean_prompt_tokens"], m["mean_completion_tokens"],
@@ -325,14 +329,15 @@ def test_results_file_lines_that_a_reader_cannot_use_are_counted_not_read(tmp_pa
     """read_results keeps well-typed records and counts the rest: a cut line, a metric that is not a number, a
     max_turns that is not an integer, a message that is not an object, a non-object line; bytes that are not
     UTF-8 are replaced, not fatal."""
-    from email_agent.summary import read_results
+    from email_agent.evaluation.scores import read_results
 
     good = _rec("m", 1)
     bad = [{**good, "metrics": {**good["metrics"], "answer_correct": "yes"}}, {**good, "max_turns": "5"},
            {**good, "max_turns": 5.0}, {**good, "messages": [*good["messages"], "a message that is not an object"]}]
     path = tmp_path / "results.jsonl"
     path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in [good, *bad, {**good, "max_turns": 5}])
-                     + b"[1]\n\n" + json.dumps({**good, "question": "caf\xe9?"}, ensure_ascii=False).encode("latin-1") + b"\n"
+                     + b"[1]\n\n" + json.dumps({**good, "question": "caf\xe9?"}, ensure_ascii=False).encode("latin-1")
+                     + b"\n"
                      + json.dumps(good).encode()[:-9])
     records, unreadable = read_results(path)
     assert [r.get("max_turns") for r in records] == [None, 5, None] and unreadable == 6
@@ -347,7 +352,7 @@ def test_load_history_keeps_the_evaluated_step_and_reads_past_bytes_that_are_not
 
 
 def test_console_lines_state_each_figure_and_what_is_unknown():
-    from email_agent.summary import console_lines
+    from email_agent.evaluation.scores import console_lines
 
     known = {"accuracy": 0.5, "hallucination_rate": 0.125, "avg_turns": 3.25, "n": 8, "n_errors": 1,
              "tool_choice": "auto", "episode": {"max_turns": 6, "max_tokens": 512}}
@@ -369,7 +374,7 @@ def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
     """Hand values where an off-by-one would hide: the interval of one question, the median of four latencies;
     an errored record counts wrong (and as no answer) whatever its metrics say; judge errors and records are
     counted; a record's withheld answer must be an object with a text answer and a list of sources."""
-    from email_agent.summary import read_results, warm_start_steps
+    from email_agent.evaluation.scores import read_results, warm_start_steps
 
     lo, hi = wilson_interval(1, 1)  # z^2 = 3.8416: centre (1 + 1.9208) / 4.8416
     assert (lo, hi) == pytest.approx((0.2065, 1.0), abs=1e-4)
@@ -383,12 +388,15 @@ def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
     assert episode_outcome(crashed) == "no_answer"
     good = _rec("m", 1)
     withheld_shapes = [("a text", False), ({"answer": "a"}, False), ({"answer": 5, "sources": []}, False),
-                       ({"answer": "a", "sources": "x"}, False), ({"answer": "a", "sources": ["<x@y>"]}, True), (None, True)]
-    (tmp_path / "results.jsonl").write_text("".join(json.dumps({**good, "withheld": w}) + "\n" for w, _ in withheld_shapes))
+                       ({"answer": "a", "sources": "x"}, False), ({"answer": "a", "sources": ["<x@y>"]}, True),
+                       (None, True)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps({**good, "withheld": w}) + "\n"
+                                                    for w, _ in withheld_shapes))
     records, unreadable = read_results(tmp_path / "results.jsonl")
     assert [r["withheld"] for r in records] == [w for w, ok in withheld_shapes if ok] and unreadable == 4
     # the trainer's marker alone makes a warm-start step, whatever else its row logs
-    assert warm_start_steps([{"step": 2, "train/sft_epoch": 1, "train/reward": 0.0}, {"step": 5, "train/reward": 0.1}]) == {2}
+    assert warm_start_steps([{"step": 2, "train/sft_epoch": 1, "train/reward": 0.0},
+                             {"step": 5, "train/reward": 0.1}]) == {2}
     # a row without a step is passed over, not the end of the history
     rows = [{"train/loss": 1.0}, {"step": 1, "train/sft_epoch": 1}, {"step": "2", "train/loss": 1}]
     assert warm_start_steps(rows) == {1}

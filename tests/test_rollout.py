@@ -10,11 +10,11 @@ import pytest
 from openai import AsyncOpenAI
 
 from conftest import needs_enron
-from email_agent import questions as qmod
-from email_agent import rewards
-from email_agent.questions import Question
-from email_agent.rewards import Rubric, shaped_reward
-from email_agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.data import questions as qmod
+from email_agent.agent import rewards
+from email_agent.data.questions import Question
+from email_agent.agent.rewards import Rubric, shaped_reward
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
 from scripted_server import ScriptedServer, call, expert_script
 
 
@@ -126,7 +126,8 @@ def test_hallucination_and_idk(demo_db, q):
     idk = {q.question: [call("search_inbox", {"keywords": ["zebra"]}),
                         call("return_final_answer", {"answer": "I don't know", "sources": []})]}
     (traj,), _ = run(play(demo_db, idk, [q]))
-    assert (traj.metrics["returned_i_dont_know"], traj.metrics["hallucinated"], traj.metrics["attempted_answer"]) == (1, 0, 0)
+    assert (traj.metrics["returned_i_dont_know"], traj.metrics["hallucinated"],
+            traj.metrics["attempted_answer"]) == (1, 0, 0)
     assert traj.metrics["searches"] == 1 and traj.reward == pytest.approx(0.0)  # looked, found nothing: sound
     # "I don't know" without a search that ran is not a sound abstention (GRPO learned it in run P)
     unlooked = {q.question: [call("search_inbox", '{"keywords": ["zebra")}'),
@@ -169,8 +170,8 @@ def test_bad_calls_are_reported_and_recoverable(demo_db, q, label, bad, counter,
 def test_every_bad_call_and_search_is_counted_not_just_the_first():
     """Catches a counter that records that a kind of call happened rather than how often (the shaped reward
     charges each bad call, and the report shows searches per episode)."""
-    from email_agent.rollout import record_outcome
-    from email_agent.tools import ToolOutcome
+    from email_agent.agent.rollout import record_outcome
+    from email_agent.agent.tools import ToolOutcome
 
     outcomes = [ToolOutcome("nope", "", "bad_tool_name")] * 2 + [ToolOutcome("read_email", "", "bad_tool_args")] * 3
     outcomes += [ToolOutcome("search_inbox", "[]", None, {"keywords": ["x"]}, [])] * 2
@@ -237,7 +238,7 @@ def test_a_reply_whose_token_counts_are_null_counts_no_tokens(demo_db, q):
 def test_model_and_tool_time_add_up_over_the_turns(demo_db, q, monkeypatch):
     """With a clock that moves one second per reading, each turn's model call and its tool work take a second
     each. Catches an episode's time that keeps only the last turn's, or counts it the wrong way."""
-    import email_agent.rollout as rollout_module
+    import email_agent.agent.rollout as rollout_module
 
     ticks = itertools.count()
     monkeypatch.setattr(rollout_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
@@ -345,7 +346,7 @@ def test_an_episode_shape_and_a_served_model_become_the_rollouts_settings():
     checkpoint must play the episodes it was trained on), or a trained model's client left without a time limit
     (a hung server would stall a training step for ever)."""
     import art
-    from email_agent.episode import EpisodeShape
+    from email_agent.agent.episode import EpisodeShape
 
     config = RolloutConfig.for_shape(EpisodeShape(max_turns=3, max_tokens=50, max_body_chars=700, search_results=4),
                                      reward="judge")
@@ -485,7 +486,7 @@ def test_offline_verdict_caps_an_answer_at_three_times_the_gold_or_60_characters
 
 def test_i_dont_know_is_graded_wrong_by_rule(q):
     """`--rejudge` writes this verdict into results.jsonl as it is. Catches an "I don't know" recorded as right."""
-    from email_agent.rollout import grade
+    from email_agent.agent.rollout import grade
 
     rubric = Rubric()
     verdict = asyncio.run(grade(rubric, q, "I don't know", [], RolloutConfig()))

@@ -8,9 +8,10 @@ import art
 import pytest
 from openai import AsyncOpenAI
 
-from email_agent import preflight, rewards
-from email_agent import questions as qmod
-from email_agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.training import step_health
+from email_agent.agent import rewards
+from email_agent.data import questions as qmod
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
 from scripted_server import ScriptedServer, call, expert_script
 from test_preflight import LOGPROBS
 
@@ -97,7 +98,8 @@ def test_incomplete_reply_is_retried(group):
 
 @pytest.mark.parametrize("reply, says", [
     ({"text": json.dumps({"scores": []})}, "ValueError: Expected 3 scores, but got 0"),
-    (scores((1, 0.9), (1, 0.8), (2, 0.1)), "judge scored trajectories ['1', '1', '2'], not each of"),  # 1 twice, 3 never
+    (scores((1, 0.9), (1, 0.8), (2, 0.1)),
+     "judge scored trajectories ['1', '1', '2'], not each of"),  # 1 twice, 3 never
     ({"text": "I cannot grade these."}, "I cannot grade these."),  # no JSON
     ({"status": 500}, "InternalServerError: litellm.InternalServerError"),
     (scores((1, 0.9), (2, 0.4), ("trajectory 3 or 1", 0.1)), "'trajectory 3 or 1'"),  # an id naming two: neither
@@ -112,25 +114,25 @@ def test_failed_judge_is_recorded_not_zeroed_silently(group, reply, says):
     assert [t.metrics["independent_reward"] for t in trajs] == [t.reward for t in group]
     assert all(t.metadata["ruler_error"].startswith("RULER judge openai/judge:") for t in trajs)
     assert says in trajs[0].metadata["ruler_error"]
-    h = preflight.measure([scored])
+    h = step_health.measure([scored])
     assert (h.ruler_errors, h.trainable_groups) == (1, 0)
-    verdict = preflight.diagnose(h, reward_mode="ruler")
+    verdict = step_health.diagnose(h, reward_mode="ruler")
     assert not verdict.ok and verdict.headline.startswith("cannot learn: RULER failed on 100%")
     assert "--ruler-model" in verdict.headline
-    assert preflight.idle_cause(h).startswith("RULER could not score any group")
+    assert step_health.idle_cause(h).startswith("RULER could not score any group")
 
 
 def test_a_ruler_judge_that_never_scores_stops_the_loop_before_it_trains(demo_db, demo_db_path, qwen_style_model_dir,
                                                                          tmp_path, monkeypatch):
     """A reply that never parses does not pass by waiting: the run stops at the step, nothing trained (it used to
     train on nothing and go on, step after step)."""
-    from email_agent import judging
+    from email_agent.training import judge_outages
     from test_preflight import run_loop
 
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
     scripts = {q.question: expert_script(q) for q in train_qs}
     scripts["judge"] = {"*": [{"text": json.dumps({"scores": []})}]}
-    with pytest.raises(judging.JudgeDown, match=r"^the judge cannot grade step 1 \(RULER judge openai/judge: "
+    with pytest.raises(judge_outages.JudgeDown, match=r"^the judge cannot grade step 1 \(RULER judge openai/judge: "
                                                  r"ValueError: .*\), and waiting will not change that"):
         run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, qwen_style_model_dir, max_steps=1,
                  reward="ruler", ruler_model="openai/judge", judge_base_url=lambda url: url)

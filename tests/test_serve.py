@@ -17,7 +17,7 @@ from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from conftest import ROOT
-from email_agent import questions as qmod
+from email_agent.data import questions as qmod
 from scripted_server import call, expert_script, serve_in_thread
 
 import train_email_search_agent as cli

@@ -7,12 +7,12 @@ import logging
 
 import pytest
 
-from email_agent import questions as qmod
+from email_agent.data import questions as qmod
 from email_agent.config import DEMO_PRESET, TrainConfig, check
-from email_agent.data import DataError
-from email_agent.expert import question_keywords
-from email_agent.rollout import RolloutConfig, assistant_message
-from email_agent.sft import expert_trajectories, sft_source, teacher_trajectories
+from email_agent.errors import DataError
+from email_agent.agent.expert import question_keywords
+from email_agent.agent.rollout import RolloutConfig, assistant_message
+from email_agent.training.warm_start import expert_trajectories, sft_source, teacher_trajectories
 
 
 def test_question_keywords():
@@ -71,7 +71,8 @@ def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
         assert m["ever_found_right_email"] == m["ever_read_right_email"] == m["attempted_answer"] == 0
         assert m["bad_tool_args"] == m["bad_tool_name"] == m["parse_errors"] == m["ran_out_of_turns"] == 0
         last = t.messages_and_choices[-2].message.tool_calls[0].function
-        assert (last.name, json.loads(last.arguments)) == ("return_final_answer", {"answer": "I don't know", "sources": []})
+        assert (last.name, json.loads(last.arguments)) == ("return_final_answer",
+                                                           {"answer": "I don't know", "sources": []})
     for t in withheld:  # the episode's "today" is before the gold email, so the inbox could not show it
         gold = demo_db.read(by_id[t.metadata["question_id"]].message_ids[0])
         system = t.messages_and_choices[0]["content"]
@@ -91,7 +92,8 @@ def record(qid, correct=1, sources=1, error=None, model="openai/o4-mini"):
                          {"role": "tool", "tool_call_id": "c1", "content": "{}"},
                          {"role": "assistant", "content": None,
                           "tool_calls": [{"id": "c2", "type": "function", "function": {
-                              "name": "return_final_answer", "arguments": "{\"answer\": \"a\", \"sources\": [\"m\"]}"}}]}]}
+                              "name": "return_final_answer",
+                              "arguments": "{\"answer\": \"a\", \"sources\": [\"m\"]}"}}]}]}
 
 
 def test_teacher_folder_keeps_exactly_the_judged_correct_cited_train_episodes(demo_db, tmp_path):
@@ -162,8 +164,8 @@ def test_tiny_warm_start_raises_expert_logprobs_and_teaches_smollm2_to_call_a_to
     import art
 
     from email_agent.backends.cpu import CPUBackend
-    from email_agent.rollout import Policy, rollout
-    from email_agent.tools import TOOLS
+    from email_agent.agent.rollout import Policy, rollout
+    from email_agent.agent.tools import TOOLS
 
     config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
     train = qmod.select_questions(demo_db, "train", seed=0)

@@ -17,7 +17,8 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from email_agent import backends, config, runs, sft
+from email_agent import backends, config, runs
+from email_agent.training import warm_start
 from email_agent.backends.vllm_server import URL_ENV
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
 from scripted_server import call, expert_script
@@ -25,9 +26,9 @@ from scripted_server import call, expert_script
 import test_email_search_agent as evaluate_cli
 import train_email_search_agent as cli
 
-TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4", "--groups-per-step", "1",
-        "--rollouts-per-group", "2", "--max-turns", "3", "--max-tokens", "40", "--val-size", "2", "--eval-every", "1",
-        "--keep-checkpoints", "all", "--max-body-chars", "300"]
+TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4",
+        "--groups-per-step", "1", "--rollouts-per-group", "2", "--max-turns", "3", "--max-tokens", "40",
+        "--val-size", "2", "--eval-every", "1", "--keep-checkpoints", "all", "--max-body-chars", "300"]
 
 
 def train_cmd(db, art_dir, *extra):
@@ -197,7 +198,7 @@ def test_local_backend_wiring(demo_db, demo_db_path, qwen_style_model_dir, tmp_p
     from art.local import LocalBackend
     from transformers import AutoTokenizer
 
-    from email_agent import questions
+    from email_agent.data import questions
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:6]
     tokenizer = AutoTokenizer.from_pretrained(qwen_style_model_dir)
@@ -240,7 +241,7 @@ def test_local_backend_wiring(demo_db, demo_db_path, qwen_style_model_dir, tmp_p
 
 def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_path, qwen_style_model_dir, tmp_path,
                                                                monkeypatch):
-    from email_agent import questions
+    from email_agent.data import questions
 
     wrong = [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})]  # no search: no partial credit
     backend, _, _ = train_on_scripts({q.question: wrong for q in questions.select_questions(demo_db, "train", seed=0)},
@@ -255,7 +256,7 @@ def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_
 
 def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, demo_db_path, qwen_style_model_dir,
                                                                      tmp_path, monkeypatch, capsys):
-    from email_agent import questions
+    from email_agent.data import questions
 
     train = questions.select_questions(demo_db, "train", seed=0)[2:4]  # after 2 validation questions
     idk = [call("search_inbox", {"keywords": ["zebra"]}),  # a search that ran: the abstention is a sound one
@@ -269,10 +270,12 @@ def test_unanswerable_share_adds_questions_asked_before_their_answer(demo_db, de
     by_id = {g.trajectories[0].metadata["question_id"]: g for g in groups}
     assert sorted(map(str, by_id)) == sorted([str(q.id) for q in train] + [f"{q.id}-withheld" for q in train])
     for q in train:  # the replay's "today" is before its gold email, so no search can show it
-        today = by_id[f"{q.id}-withheld"].trajectories[0].messages_and_choices[0]["content"].split("Today's date is ")[1]
+        today = (by_id[f"{q.id}-withheld"].trajectories[0].messages_and_choices[0]["content"]
+                 .split("Today's date is ")[1])
         assert today[:10] < demo_db.read(q.message_ids[0]).date[:10] <= q.query_date
         assert all(t.reward == 0 and t.metrics["returned_i_dont_know"] for t in by_id[f"{q.id}-withheld"].trajectories)
-    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--unanswerable-share", "1"])
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path),
+                     "--unanswerable-share", "1"])
     assert code == 1 and "--unanswerable-share must be at least 0 and below 1, not 1.0" in capsys.readouterr().err
 
 
@@ -308,7 +311,7 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
 
 
 def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
-    from email_agent.episode import EpisodeShape
+    from email_agent.agent.episode import EpisodeShape
 
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
                                                              "--max-turns", "5"]))
@@ -337,7 +340,8 @@ def test_the_opening_summary_says_what_the_run_will_do():
 
 
 def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch):
-    from email_agent import questions, tracing
+    from email_agent.data import questions
+    from email_agent import tracing
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:3]
     traced = []
@@ -361,7 +365,7 @@ def test_no_wandb_run_without_the_flag_even_with_a_key(demo_db, demo_db_path, qw
                                                        monkeypatch, capsys):
     """ART 0.5.18's LocalBackend starts a W&B run at register and at every train whenever WANDB_API_KEY is set,
     whatever report_metrics says; without --wandb the run must not start one."""
-    from email_agent import questions
+    from email_agent.data import questions
 
     qs = questions.select_questions(demo_db, "train", seed=0)[:3]
     monkeypatch.setenv("WANDB_API_KEY", "wandb-test-key")
@@ -426,49 +430,49 @@ class SFTRecorder:
 def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, caplog):
     import logging
 
-    from email_agent import questions
+    from email_agent.data import questions
 
     caplog.set_level(logging.INFO, logger="email_agent")
-    from email_agent.rollout import RolloutConfig
+    from email_agent.agent.rollout import RolloutConfig
 
     cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=6, sft_epochs=3, sft_learning_rate=1e-3,
                           sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(sft.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
+    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
-        asyncio.run(sft.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
+        asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
     assert run["step"] == 1 and len(run["trained"]) == 1
-    asyncio.run(sft.warm_start(cfg, SFTRecorder(run), episodes))
+    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run), episodes))
     # Epochs 2 and 3 ran once each, on top of epoch 1's checkpoint: no epoch repeated, none skipped.
     assert run["trained"] == [(0, 6, [1e-3]), (1, 6, [1e-3]), (2, 6, [1e-3])] and run["step"] == 3
     assert "resuming after epoch 1" in caplog.text
     assert [m for _, m in run["log"]] == [{"sft_epoch": 1}, {"sft_epoch": 2}, {"sft_epoch": 3}]  # curve markers
     assert [s for s, _ in run["log"]] == [1, 2, 3]
-    asyncio.run(sft.warm_start(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
+    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
     assert len(run["trained"]) == 3
 
 
 def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stopped(demo_db):
-    from email_agent import questions
-    from email_agent.rollout import RolloutConfig
+    from email_agent.data import questions
+    from email_agent.agent.rollout import RolloutConfig
 
     cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=10, sft_epochs=2, sft_batch_size=2,
                           sft_learning_rate=1e-3, sft_schedule="linear")
     train = questions.select_questions(demo_db, "train", seed=0)[:30]
     rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(sft.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
+    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
-    asyncio.run(sft.warm_start(cfg, SFTRecorder(whole), episodes))
+    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]
     # 2 epochs of 5 batches: one warm-up batch up to the peak, then a straight line down to 0 at the last batch.
     assert len(rates) == 10 and rates[0] == pytest.approx(1e-3) and rates[-1] == 0
     assert all(a > b for a, b in zip(rates[1:], rates[2:]))
     interrupted = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):
-        asyncio.run(sft.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
-    asyncio.run(sft.warm_start(cfg, SFTRecorder(interrupted), episodes))
+        asyncio.run(warm_start.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
+    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(interrupted), episodes))
     assert interrupted["trained"] == whole["trained"]  # epoch 2 got epoch 2's rates, not the schedule's start
 
 
@@ -514,7 +518,7 @@ def test_a_damaged_run_state_or_empty_teacher_is_refused_before_the_model_loads(
 
     monkeypatch.setattr(CPUBackend, "register", no_model)
     common = ["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path)]
-    folder = backends.run_path(str(tmp_path), backends.PROJECT, "demo")
+    folder = runs.run_path(str(tmp_path), runs.PROJECT, "demo")
     folder.mkdir(parents=True)
     (folder / "state.json").write_text('{"sft_steps": "3"}')
     assert cli.main(common) == 1
@@ -525,7 +529,7 @@ def test_a_damaged_run_state_or_empty_teacher_is_refused_before_the_model_loads(
     (teacher / "results.jsonl").write_text('{"question_id": "nope"}\n')
     assert cli.main(common + ["--name", "taught", "--sft-from", str(teacher)]) == 1
     assert "results.jsonl holds no episodes" in capsys.readouterr().err
-    assert not backends.run_path(str(tmp_path), backends.PROJECT, "taught").exists()
+    assert not runs.run_path(str(tmp_path), runs.PROJECT, "taught").exists()
 
 
 def test_a_half_written_history_line_is_dropped_before_the_run_goes_on(tmp_path, capsys):
@@ -621,7 +625,8 @@ def test_a_missing_base_model_saves_no_run(demo_db_path, tmp_path, capsys):
 
 
 def test_an_unknown_learning_rate_schedule_is_a_clear_error(demo_db_path, tmp_path, capsys):
-    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--sft-schedule", "step"])
+    code = cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path),
+                     "--sft-schedule", "step"])
     assert code == 1 and "--sft-schedule is constant, linear or cosine" in capsys.readouterr().err
 
 
@@ -679,7 +684,7 @@ def test_a_resumed_run_trains_the_next_questions_not_the_first_again(demo_db, de
     would train some questions twice and others never."""
     import art
 
-    from email_agent import questions
+    from email_agent.data import questions
 
     train = questions.select_questions(demo_db, "train", seed=0)
     settings = dict(name="r", art_dir=str(tmp_path), db=str(demo_db_path), val_size=2, train_limit=8,

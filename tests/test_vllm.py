@@ -33,13 +33,14 @@ from art.preprocessing.tokenize import tokenize_trajectory_groups
 from openai import AsyncOpenAI
 
 from conftest import ROOT
-from email_agent import backends, training_data
-from email_agent import questions as qmod
+from email_agent import backends
+from email_agent.training import training_data
+from email_agent.data import questions as qmod
 from email_agent.backends import vllm_server
 from email_agent.backends.cpu import CPUBackend
-from email_agent.data import DataError
-from email_agent.rollout import Policy, RolloutConfig, rollout
-from email_agent.sft import expert_trajectories
+from email_agent.errors import DataError
+from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.training.warm_start import expert_trajectories
 
 from train_email_search_agent import TrainConfig
 
@@ -193,7 +194,7 @@ async def main():
     server = vllm_server.VLLMServer(_converted_directory(find_base_model("smollm2")), "base", log_path={log!r},
                                     chat_template=TOOL_CHAT_TEMPLATE)
     await server.__aenter__()
-    print(json.dumps({{"wrapper": server._process.pid}}), flush=True)
+    print(json.dumps({{"wrapper": server.pid}}), flush=True)
     {end}
 
 asyncio.run(main())
@@ -277,7 +278,7 @@ def test_the_server_s_processes_end_with_its_parent(end, tmp_path):
     script = textwrap.dedent(KILL_9).format(root=str(ROOT), log=str(tmp_path / "vllm.log"), end=ENDS[end])
     script = script.replace("_converted_directory(find_base_model(\"smollm2\"))", "'/models/none'")
     script = script.replace("print(json.dumps", "print(json.dumps({'tree': [p.pid for p in __import__('psutil')."
-                                                 "Process(server._process.pid).children(recursive=True)]}), flush=True)"
+                                                 "Process(server.pid).children(recursive=True)]}), flush=True)"
                                                  "; print(json.dumps")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env={**own_server_environment(), "EMAIL_AGENT_VLLM_PYTHON": str(fake_python)})
@@ -317,7 +318,8 @@ import email_agent_vllm_cpu as plugin
 
 torch.manual_seed(0)
 tokens, d_in, d_out, rank, slots = 37, 64, 96, 16, 3
-report = {"entry_point": [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "email_agent_lora_ops"]}
+report = {"entry_point": [e.value for e in entry_points(group="vllm.general_plugins")
+                          if e.name == "email_agent_lora_ops"]}
 worst = 0.0
 for indices in (torch.zeros(tokens, dtype=torch.long), torch.randint(0, slots, (tokens,)), torch.full((tokens,), 2)):
     x = torch.randn(tokens, d_in, dtype=torch.bfloat16)

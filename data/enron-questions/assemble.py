@@ -6,9 +6,10 @@
 A draft line is {"question", "answer", "message_ids", "inbox_address", "query_date", "how_realistic"}. A question
 is kept only if:
 - every cited email is in the sample and in the inbox of `inbox_address` (it sent or received it: from, to, cc or
-  bcc), with build-db's own normalisation (email_agent.data.normalize_email), so build-db finds every gold email;
+  bcc), with build-db's own normalisation (email_agent.data.email_db.normalize_email), so build-db finds every gold
+  email;
 - every cited email is dated strictly before query_date (the agent's "today": stored dates compared with
-  email_agent.data.day_start, as the tools compare them);
+  email_agent.data.email_db.day_start, as the tools compare them);
 - every content word of the answer (lower-cased, stopwords and punctuation dropped, "$1,200.00" read as "1200")
   is in a cited email's subject or body, and the answer is not just a cited email's subject (a question
   answered by the search results' subject lines alone does not need the email read);
@@ -16,7 +17,7 @@ is kept only if:
   questions' content words >= 0.7 (a rewording of the same question), or the same answer drawn from the same
   email (the same fact asked twice, which would weigh it double).
 Each dropped question is printed with its reason. Kept questions get ids "enron-0001".. in (inbox, query_date,
-question) order and a train/test split by cited email (email_agent.generate.assign_splits: questions sharing an
+question) order and a train/test split by cited email (email_agent.data.generate.assign_splits: questions sharing an
 email form one group, whole groups go to test in seeded order until ~30% are test), so no email is cited by
 both splits.
 """
@@ -35,8 +36,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.data import DataError, SkipRecord, day_start, normalize_email, read_emails  # noqa: E402
-from email_agent.generate import assign_splits  # noqa: E402
+from email_agent.errors import DataError
+from email_agent.data.email_db import SkipRecord, day_start, normalize_email, read_emails
+from email_agent.data.generate import assign_splits
 
 DEFAULT_EMAILS = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 TEST_FRACTION = 0.3

@@ -12,21 +12,15 @@ This module only picks and builds one, and builds the model's ART settings; it h
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-from ..data import DataError
-from . import gpu as gpu_checks
-from .vllm_server import lora_engine_args
+from email_agent.errors import DataError
+from email_agent.runs import run_path
+from email_agent.backends import art_backends as gpu_checks
+from email_agent.backends.vllm_server import lora_engine_args
 
 BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
-PROJECT = "email-agent"  # the ART (and W&B) project
 LOCAL_MAX_LORAS = 2  # ART 0.5.18's own default: the latest step and one more
-
-
-def run_path(art_dir: str, project: str, name: str) -> Path:
-    return Path(art_dir) / project / "models" / name
 
 
 class BackendError(DataError):
@@ -108,7 +102,7 @@ def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
 def make_backend(name: str, cfg):
     """Build the chosen backend; `cfg` is the training config (art_dir, seed, LoRA and memory settings)."""
     if name == "cpu":
-        from .cpu import CPUBackend, find_base_model
+        from email_agent.backends.cpu import CPUBackend, find_base_model
 
         find_base_model(cfg.base_model)
         return CPUBackend(path=cfg.art_dir, seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
@@ -119,7 +113,8 @@ def make_backend(name: str, cfg):
         try:
             from art.local import LocalBackend
         except ImportError as exc:
-            raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt ({exc})") from exc
+            raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt "
+                               f"({exc})") from exc
         gpu_checks.allow_art_without_megatron()
         gpu_checks.put_venv_uv_on_path()
         return LocalBackend(path=cfg.art_dir)
@@ -135,7 +130,8 @@ def make_backend(name: str, cfg):
         try:
             from art.tinker.backend import TinkerBackend
         except ImportError as exc:
-            raise BackendError(f"--backend tinker needs ART's tinker extra: pip install 'openpipe-art[tinker]==0.5.18' ({exc})") from exc
+            raise BackendError(f"--backend tinker needs ART's tinker extra: pip install "
+                               f"'openpipe-art[tinker]==0.5.18' ({exc})") from exc
         gpu_checks.allow_art_without_megatron()
         # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
         return TinkerBackend(path=cfg.art_dir)
@@ -157,7 +153,8 @@ async def keep_latest_and_best(model, backend, latest: int, also: tuple[int, ...
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line a killed run cut off
-        if isinstance(row, dict) and isinstance(row.get("val/reward"), (int, float)) and isinstance(row.get("step"), int):
+        if (isinstance(row, dict) and isinstance(row.get("val/reward"), (int, float))
+                and isinstance(row.get("step"), int)):
             rewards_by_step.setdefault(row["step"], []).append(row["val/reward"])
     keep = {latest, *also}
     if rewards_by_step:

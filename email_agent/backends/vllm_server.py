@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from ..data import DataError
-from .gpu import vllm_lora_rank
+from email_agent.errors import DataError
+from email_agent.backends.art_backends import vllm_lora_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -148,6 +148,11 @@ class VLLMServer:
     @property
     def base_url(self) -> str:
         return self.url or f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        """The process this handle started (ART's managed-process wrapper, vLLM's group leader); None if none."""
+        return self._process.pid if self._process is not None else None
 
     async def __aenter__(self) -> VLLMServer:
         self.start()

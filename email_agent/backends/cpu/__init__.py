@@ -7,9 +7,9 @@ Modules, in the order data flows through them:
   backend      `CPUBackend`, ART's Backend protocol: this trainer, and a vLLM server (`backends.vllm_server`)
 """
 
-from .backend import CPUBackend
-from .checkpoints import CheckpointError
-from .model import TOOL_CHAT_TEMPLATE, find_base_model, load_base_model, served_model_dir
+from email_agent.backends.cpu.backend import CPUBackend
+from email_agent.backends.cpu.checkpoints import CheckpointError
+from email_agent.backends.cpu.model import TOOL_CHAT_TEMPLATE, find_base_model, load_base_model, served_model_dir
 
 __all__ = ["CPUBackend", "CheckpointError", "TOOL_CHAT_TEMPLATE", "find_base_model", "load_base_model",
            "served_model_dir"]

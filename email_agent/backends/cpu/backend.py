@@ -33,10 +33,10 @@ from art.utils.sft import resolve_sft_batch_size
 from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
-from ..vllm_server import VLLMServer
-from .checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
-from .model import load_base_model, served_model_dir
-from .trainer import Trainer, new_optimizer
+from email_agent.backends.vllm_server import VLLMServer
+from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
+from email_agent.backends.cpu.model import load_base_model, served_model_dir
+from email_agent.backends.cpu.trainer import Trainer, new_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ class CPUBackend:
         trajectories = list(trajectories)
         size = resolve_sft_batch_size(batch_size=config.batch_size, default_batch_size=2)
         batches = [trajectories[i:i + size] for i in range(0, len(trajectories), size)]
-        rates = config.learning_rate if isinstance(config.learning_rate, list) else [config.learning_rate] * len(batches)
+        rates = (config.learning_rate if isinstance(config.learning_rate, list)
+                 else [config.learning_rate] * len(batches))
         if len(rates) < len(batches):
             raise ValueError(f"{len(batches)} SFT batches but only {len(rates)} learning rates")
         # A progress bar for the person at the terminal (SFT runs for minutes), not a log record.

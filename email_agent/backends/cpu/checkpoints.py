@@ -19,7 +19,7 @@ import torch
 from art.utils.output_dirs import get_step_checkpoint_dir
 from peft import PeftModel
 
-from ...data import DataError
+from email_agent.errors import DataError
 
 _TEMPORARY = ".tmp-"
 

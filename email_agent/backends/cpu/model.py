@@ -25,7 +25,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ...data import DataError
+from email_agent.errors import DataError
 
 logger = logging.getLogger(__name__)
 

@@ -24,12 +24,11 @@ from art.loss import loss_fn as art_loss_fn, shift_tensor
 from art.preprocessing.pack import PackedTensors, packed_tensors_from_tokenized_results
 from art.preprocessing.tokenize import tokenize_trajectory_groups
 from art.trajectories import get_messages
-from openai.types.chat.chat_completion import Choice
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from transformers import DynamicCache
 
-from .model import inference_dtype
+from email_agent.backends.cpu.model import inference_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +101,8 @@ class Trainer:
         if self._context is None or self._context.dtype != inference_dtype():
             self._context = copy.deepcopy(self.peft).merge_and_unload().to(inference_dtype()).eval()
             self._merged = [(layer, self._context.get_submodule(name))
-                            for name, layer in self.peft.get_base_model().named_modules() if isinstance(layer, LoraLayer)]
+                            for name, layer in self.peft.get_base_model().named_modules()
+                            if isinstance(layer, LoraLayer)]
         elif self._stale:
             with torch.no_grad():
                 for layer, linear in self._merged:

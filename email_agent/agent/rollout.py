@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -19,13 +20,13 @@ import openai
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion
 
-from . import rewards
-from .data import EmailDB
-from .episode import EpisodeShape
-from .questions import Question
-from .redact import redact
-from .rewards import Rubric
-from .tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
+from email_agent.agent import rewards
+from email_agent.data.email_db import EmailDB
+from email_agent.agent.episode import EpisodeShape
+from email_agent.data.questions import Question
+from email_agent.redact import redact
+from email_agent.agent.rewards import Rubric
+from email_agent.agent.tools import TOOLS, Inbox, ToolOutcome, call_tool, parse_arguments
 
 # ---- ALGO LOGIC: the prompt the agent starts from (a place to tune) ----------------------------------
 # What changes per question comes last, so every prompt of a run starts with the same instructions: the CPU
@@ -114,8 +115,14 @@ def assistant_message(choice) -> dict:
     return message
 
 
+# The tasks playing an episode: Ctrl-C cancels them with the run (`cli.run_cancellable`), since ART's gather would
+# otherwise play out every rollout of the step before the run could stop.
+IN_FLIGHT: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+
+
 async def rollout(policy: Policy, question: Question, db: EmailDB, config: RolloutConfig,
                   on_call: OnCall | None = None) -> art.Trajectory:
+    IN_FLIGHT.add(asyncio.current_task())
     inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=config.max_body_chars,
                   default_max_results=config.search_results)
     gold = set(question.message_ids)
@@ -192,15 +199,15 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
 
 def record_verdict(traj: art.Trajectory, verdict: rewards.Verdict | None) -> None:
     traj.metadata.update({"verdict_judge": verdict.judge if verdict else None,
-                          "verdict_reasoning": verdict.reasoning if verdict else None,
-                          "verdict_error": verdict.error if verdict else None,
-                          "verdict_transient": verdict.transient if verdict and verdict.error else None})
+                          rewards.VERDICT_REASONING: verdict.reasoning if verdict else None,
+                          rewards.VERDICT_ERROR: verdict.error if verdict else None,
+                          rewards.VERDICT_TRANSIENT: verdict.transient if verdict and verdict.error else None})
 
 
 async def regrade(group: art.TrajectoryGroup, questions: dict, config: RolloutConfig) -> art.TrajectoryGroup:
     """Grade again the episodes of `group` the judge failed on (`questions`: by id)."""
     for traj in group.trajectories:
-        if traj.metadata.get("verdict_error"):
+        if traj.metadata.get(rewards.VERDICT_ERROR):
             await regrade_episode(traj, questions[traj.metadata["question_id"]], config)
     return group
 

@@ -20,8 +20,10 @@ from urllib.parse import quote
 
 from tqdm import tqdm
 
-from .data import INDEXES, SCHEMA, DataError, SkipRecord, member_token, normalize_email, read_emails, read_hub_emails
-from .questions import normalize_question, read_hub_questions, read_questions
+from email_agent.data.email_db import (INDEXES, SCHEMA, SkipRecord, member_token, normalize_email, read_emails,
+                                       read_hub_emails)
+from email_agent.errors import DataError
+from email_agent.data.questions import normalize_question, read_hub_questions, read_questions
 
 SKIP_EXAMPLES = 3  # skipped records the summary shows with their reason (the rest are counted)
 
@@ -67,7 +69,7 @@ def open_sources(*, demo: bool = False, emails: str | None = None, questions: st
     """(emails, questions, source name, email count if known) for build-db's flags: the demo inbox; local
     files; or the ART·E corpus and questions from Hugging Face. Local emails without --questions: none."""
     if demo:
-        from . import demo as demo_inbox
+        from email_agent.data import demo as demo_inbox
 
         email_rows, question_rows = demo_inbox.generate(seed=0)
         return email_rows, question_rows, "demo inbox (email_agent/demo.py, seed 0)", len(email_rows)
@@ -268,8 +270,8 @@ def _fill(conn, emails, questions, summary, source, total, progress):
 def add_arguments(p, default_db: str, demo_db: str) -> None:
     """The build-db subcommand's flags."""
     p.add_argument("--demo", action="store_true", help="the bundled, offline demo inbox (db: data/demo.db)")
-    p.add_argument("--emails", metavar="PATH", help="local corpus: .jsonl(.gz), .parquet, a maildir folder or an mbox file "
-                                                   "(default: Hugging Face corbt/enron-emails)")
+    p.add_argument("--emails", metavar="PATH", help="local corpus: .jsonl(.gz), .parquet, a maildir folder "
+                                                   "or an mbox file (default: Hugging Face corbt/enron-emails)")
     p.add_argument("--questions", metavar="PATH", help="local questions: .jsonl(.gz) or .parquet with the ART·E schema "
                                                       "(default: Hugging Face corbt/enron_emails_sample_questions)")
     p.add_argument("--db", metavar="PATH", help=f"output database (default {default_db}; with --demo {demo_db})")

@@ -25,11 +25,18 @@ from pathlib import Path
 
 import tenacity
 
-from .redact import redact
+from email_agent.redact import redact
 
 log = logging.getLogger(__name__)
 
 REWARD_MODES = ("offline", "shaped", "judge", "ruler")
+# Keys of a graded trajectory's metadata (and RULER's metric): written by `rollout` and `ruler_group`, read by the
+# training loop's outage handling (training.judge_outages), each step's health and the evaluation's records.
+VERDICT_REASONING = "verdict_reasoning"  # the judge's reasons, when it gives them
+VERDICT_ERROR = "verdict_error"  # why the judge gave no verdict (the episode was then graded offline)
+VERDICT_TRANSIENT = "verdict_transient"  # that error may pass (5xx, 429, timeout): worth waiting for
+RULER_ERROR = "ruler_error"  # why RULER could not score the group (metadata: the message; metrics: 1 or 0)
+JUDGE_TRANSIENT = "judge_transient"  # RULER's error may pass
 IDK = "I don't know"
 
 
@@ -256,7 +263,7 @@ class LLMJudge:
         """One uncached verdict before any real work. A judge that cannot run (no key, an unknown model, a dead
         --judge-base-url) would otherwise grade every answer offline, each after its retries, and the summary
         would look like a judge's; raises DataError instead."""
-        from .data import DataError
+        from email_agent.errors import DataError
 
         try:
             await self._ask(*JUDGE_PROBE)
@@ -349,7 +356,7 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
 
     Without a judge the mode defaults to offline, and says so loudly; judge/shaped without one is an error.
     """
-    from .data import DataError
+    from email_agent.errors import DataError
 
     judge_model = judge_model or os.environ.get("JUDGE_MODEL")
     judge = None
@@ -361,7 +368,8 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
     if mode not in REWARD_MODES:
         raise DataError(f"--reward must be one of {', '.join(REWARD_MODES)}, not {mode!r}")
     if mode in ("judge", "shaped") and judge is None:
-        raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), or use --reward offline.")
+        raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), "
+                        "or use --reward offline.")
     if judge is None and mode != "ruler":  # RULER's reward needs no answer judge (`describe` says what is used)
         log.warning("no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
                     "(pass --judge-model for an LLM judge).")
@@ -473,14 +481,14 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
             transient = may_pass(exc)
     else:
         for t in trajectories:
-            t.metrics.update(independent_reward=t.reward, ruler_error=1)
-            t.metadata.update(ruler_error=error, judge_transient=transient)
+            t.metrics.update({"independent_reward": t.reward, RULER_ERROR: 1})
+            t.metadata.update({RULER_ERROR: error, JUDGE_TRANSIENT: transient})
             t.reward = 0.0
         return group
     for key, t in zip(expected, trajectories):
-        t.metadata.pop("ruler_error", None)
-        t.metadata.pop("judge_transient", None)
-        t.metrics.update(independent_reward=t.reward, ruler_score=by_id[key].score, ruler_error=0)
+        t.metadata.pop(RULER_ERROR, None)
+        t.metadata.pop(JUDGE_TRANSIENT, None)
+        t.metrics.update({"independent_reward": t.reward, "ruler_score": by_id[key].score, RULER_ERROR: 0})
         t.reward = by_id[key].score
         t.log(f"RULER explanation: {by_id[key].explanation}")
     return group

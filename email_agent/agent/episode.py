@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from .tools import DEFAULT_MAX_BODY_CHARS, DEFAULT_SEARCH_RESULTS
+from email_agent.agent.tools import DEFAULT_MAX_BODY_CHARS, DEFAULT_SEARCH_RESULTS
 
 
 @dataclass(frozen=True)

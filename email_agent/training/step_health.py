@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from art.trajectories import TrajectoryGroup
 from openai.types.chat.chat_completion import Choice
 
-from . import training_data
-from .rewards import valid_tool_call_rate
+from email_agent.training import training_data
+from email_agent.agent.rewards import RULER_ERROR, VERDICT_ERROR, valid_tool_call_rate
 
 # A run below these lines learns nothing or little; warnings below `WARN_*` are printed but do not fail.
 MIN_TRAINABLE_SHARE = 0.25  # share of groups with reward variance
@@ -65,7 +65,7 @@ class Health:
 
 
 def _ruler_failed(group: TrajectoryGroup) -> bool:
-    return any(t.metrics.get("ruler_error") for t in group.trajectories)
+    return any(t.metrics.get(RULER_ERROR) for t in group.trajectories)
 
 
 def _has_variance(group: TrajectoryGroup) -> bool:
@@ -113,7 +113,7 @@ def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0, min_reward_std
     h.judged += total("judge_error")  # a failed judge leaves verdict_judge "offline"
     h.judge_errors = total("judge_error")
     h.api_errors = total("api_errors")
-    errors = [t.metadata.get("ruler_error") or t.metadata.get("verdict_error") for t in trajs]
+    errors = [t.metadata.get(RULER_ERROR) or t.metadata.get(VERDICT_ERROR) for t in trajs]
     h.first_error = next((e for e in errors if e), "")
     h.rollout_s = sum(t.metrics.get("latency_s", 0.0) + t.metrics.get("env_s", 0.0) for t in trajs) / len(trajs)
     return h
@@ -177,6 +177,29 @@ def low_variance_warning(trainable_shares: list[float], temperature: float | Non
            if temperature is not None and temperature < 1.0 else "raise --rollouts-per-group")
     return (f"only {share:.0%} of the groups of the last {len(recent)} steps had reward variance: "
             f"the policy answers most questions the same way in every rollout, and those groups teach nothing; {fix}")
+
+
+class Warnings:
+    """What the loop warns of as steps go by: `IDLE_STEPS_WARNING` steps in a row that trained on nothing (each
+    time), and groups without reward variance over the last steps (once per run)."""
+
+    def __init__(self, temperature: float | None) -> None:
+        self.temperature = temperature
+        self.idle_steps = 0  # steps in a row that trained on nothing
+        self.trainable_shares: list[float] = []
+        self.warned_low_variance = False
+
+    def after_step(self, h: Health, learned: dict) -> list[str]:
+        warnings = []
+        self.idle_steps = 0 if learned["trained_token_share"] else self.idle_steps + 1
+        if self.idle_steps >= IDLE_STEPS_WARNING:
+            warnings.append(f"{self.idle_steps} steps in a row trained on nothing: {idle_cause(h)}")
+        self.trainable_shares.append(learned["trainable_group_share"])
+        low_variance = low_variance_warning(self.trainable_shares, self.temperature)
+        if low_variance and not self.warned_low_variance:
+            warnings.append(low_variance)
+            self.warned_low_variance = True
+        return warnings
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +282,8 @@ def report(h: Health, verdict: Verdict, groups_per_step: int, rollouts_per_group
         (f"  reward               mean {h.mean_reward:+.3f}, spread within groups {h.reward_spread:.3f}"
          if h.ruler_errors < h.groups else "  reward               none: no group was scored"),
         f"  valid tool calls     {h.valid_call_rate:.0%} of calls and call-less turns",
-        f"  answers              {h.answered:.0%} answered ({h.correct:.0%} correct, {h.hallucinated:.0%} hallucinated), "
+        f"  answers              {h.answered:.0%} answered ({h.correct:.0%} correct, "
+        f"{h.hallucinated:.0%} hallucinated), "
         f"{h.i_dont_know:.0%} I don't know, {h.no_answer:.0%} none",
         f"  without logprobs     {h.turns_without_logprobs:.0%} of {h.assistant_turns} assistant turns",
         f"  judge errors         {h.judge_errors} of {h.judged} answers, RULER {h.ruler_errors} of {h.groups} groups",

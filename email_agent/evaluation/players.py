@@ -1,8 +1,8 @@
 """Evaluation: who plays, served the way it was trained; checked before it plays; what one answer records.
 
 Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
-`Contestant` with a ready policy (a run on its own backend: CPU on one vLLM server per base model, ART's LocalBackend / vLLM, W&B
-Serverless or Tinker; the untrained base model on CPU; a prompted model behind an OpenAI-compatible
+`Contestant` with a ready policy (a run on its own backend: CPU on one vLLM server per base model, ART's LocalBackend
+/ vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted model behind an OpenAI-compatible
 endpoint); `probe`, one cheap request that fails fast on an unreachable server, a refused key or an unknown
 model; the result record of one question x model (`make_record`, read by `report` and `sft`) and
 re-judging it. `test_email_search_agent.py` and the `ask` command are thin layers over this.
@@ -22,13 +22,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import rewards
-from .backends import ART_DIR, CPU_BASE_MODEL
-from .data import DataError
-from .episode import EpisodeShape
-from .questions import Question
-from .redact import redact
-from .runs import Run, find_run, is_step
+from email_agent.agent import rewards
+from email_agent.runs import ART_DIR
+from email_agent.backends import CPU_BASE_MODEL
+from email_agent.errors import DataError
+from email_agent.agent.episode import EpisodeShape
+from email_agent.data.questions import Question
+from email_agent.redact import redact
+from email_agent.runs import Run, find_run, is_step
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
     """
     from openai import AsyncOpenAI
 
-    from .rollout import Policy
+    from email_agent.agent.rollout import Policy
 
     check_specs([spec], options.art_dir)
     name, step = split_spec(spec)
@@ -232,8 +233,8 @@ async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str | No
     under the server's name for it, a checkpoint a LoRA loaded into it as `label`. The first call starts it."""
     from openai import AsyncOpenAI
 
-    from .backends.cpu import CheckpointError
-    from .backends.cpu.checkpoints import check_adapter
+    from email_agent.backends.cpu import CheckpointError
+    from email_agent.backends.cpu.checkpoints import check_adapter
 
     servers = _CPU_SERVERS.setdefault(stack, {})
     if base_model not in servers:
@@ -266,8 +267,8 @@ def cpu_served_name(base_model: str) -> str:
 
 
 async def _start_cpu_server(base_model: str, options: Options, stack: contextlib.AsyncExitStack, lora_rank: int):
-    from .backends.cpu import load_base_model, served_model_dir
-    from .backends.vllm_server import VLLMServer
+    from email_agent.backends.cpu import load_base_model, served_model_dir
+    from email_agent.backends.vllm_server import VLLMServer
 
     _, tokenizer = await asyncio.to_thread(load_base_model, base_model)  # its tool chat template
     log = Path(options.log_dir or Path(options.art_dir) / "logs") / "vllm-evaluation.log"
@@ -297,7 +298,7 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, 
     import art
     from openai import AsyncOpenAI
 
-    from . import backends
+    from email_agent import backends
 
     registered = _REGISTERED.setdefault(stack, {})
     try:
@@ -349,7 +350,7 @@ async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, 
 
 def cannot_serve(run: Run, step: str, reason: str) -> str:
     """What is missing to serve a run the way it was trained, and the way around it."""
-    from . import backends
+    from email_agent import backends
 
     message = f"run {run.name!r} was trained on the {run.backend} backend, which cannot serve it here: {reason}"
     steps = run.steps()
@@ -439,7 +440,7 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
     verdict = None
     if meta.get("answer") is not None:
         verdict = {"correct": bool(m["answer_correct"]), "judge": meta.get("verdict_judge"),
-                   "reasoning": meta.get("verdict_reasoning"), "error": meta.get("verdict_error")}
+                   "reasoning": meta.get(rewards.VERDICT_REASONING), "error": meta.get(rewards.VERDICT_ERROR)}
     return {"model": contestant.label, "question_id": question.id, "question": question.question,
             "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
@@ -448,7 +449,8 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
             "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
             "episode": asdict(contestant.shape), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
             "concurrency": contestant.policy.max_concurrency,
-            "metrics": dict(m), "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
+            "metrics": dict(m),
+            "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
             "error": meta.get("error"), "messages": traj.messages()}
 
 
@@ -457,7 +459,7 @@ async def rejudge_folder(folder: Path, config, grounded_answers: bool) -> list[d
     playing the episodes again."""
     from tqdm import tqdm
 
-    from .summary import read_results
+    from email_agent.evaluation.scores import read_results
 
     results = folder / "results.jsonl"
     if not results.is_file():
@@ -483,8 +485,8 @@ async def rejudge_record(record: dict, config) -> dict:
     """Re-score a stored record with another judge: the agent's answer stays, the verdict and reward change.
     An answer the grounding check withheld is judged as the agent gave it, and withheld again only if `config`
     asks for the check (so `--rejudge DIR --grounded-answers` applies it to an evaluation made without)."""
-    from .rewards import Rubric
-    from .rollout import grade, withhold_ungrounded
+    from email_agent.agent.rewards import Rubric
+    from email_agent.agent.rollout import grade, withhold_ungrounded
 
     fields = Rubric.__dataclass_fields__
     rubric = Rubric(**{k: v for k, v in record["metrics"].items() if k in fields})
@@ -509,7 +511,7 @@ def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: 
                    grounded_answers: bool = False):
     """A RolloutConfig carrying how answers are graded and whether ungrounded ones are withheld (each
     contestant adds its episode shape)."""
-    from .rollout import RolloutConfig
+    from email_agent.agent.rollout import RolloutConfig
 
     mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 from urllib.parse import quote
 
-from .mime import decode_header, message_body
+from email_agent.data.mime import decode_header, message_body
+
+from email_agent.errors import DataError
 
 
 MAX_SEARCH_RESULTS = 20  # search_inbox clamps max_results to this instead of failing the call
@@ -88,10 +90,6 @@ CREATE INDEX idx_recipients_address ON recipients(address, kind);
 CREATE INDEX idx_recipients_email ON recipients(email_id);
 CREATE INDEX idx_questions_split ON questions(split);
 """
-
-
-class DataError(Exception):
-    """A problem with the user's input or database, worded for the user (one sentence, no traceback)."""
 
 
 class SkipRecord(Exception):
@@ -275,7 +273,8 @@ NOT_MAIL_SUFFIXES = (".msf", ".plist", ".index", ".cache", ".log", ".json", ".da
 # kept inside the --emails folder is not read back as mail.
 NOT_MAIL_PARTS = (".db.", ".db-", ".sqlite.", ".sqlite-")
 NOT_MAIL_NAMES = {"maildirfolder", "dovecot-uidlist", "dovecot-keywords", "dovecot-uidvalidity", "subscriptions",
-                  "courierimapkeywords", "courierimapuiddb", "courierimapacl", "table_of_contents", "msgFilterRules.dat"}
+                  "courierimapkeywords", "courierimapuiddb", "courierimapacl", "table_of_contents",
+                  "msgFilterRules.dat"}
 
 
 def read_maildir(root: Path) -> Iterator[dict]:

@@ -1,6 +1,7 @@
 """The evaluation's report: `write_report` writes the figures of `summary` as summary.json, report.md and one
 self-contained report.html (inline CSS, SVG and JS only, so it opens offline from disk): the comparison
-table, charts, outcomes, paired tests, the learning curve of each trained run (rows of `summary.load_history`) and every episode's trace.
+table, charts, outcomes, paired tests, the learning curve of each trained run (rows of `summary.load_history`) and
+every episode's trace.
 
 Everything rendered is untrusted (email bodies, model output), so every string goes through ``_esc``, which
 scrubs API-key-like tokens and HTML-escapes.
@@ -16,9 +17,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .data import DataError
-from .redact import redact
-from .summary import OUTCOMES, is_number, question_key, warm_start_steps
+from email_agent.errors import DataError
+from email_agent.redact import redact
+from email_agent.evaluation.scores import OUTCOMES, is_number, question_key, warm_start_steps
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ def _num(v, fmt: str = "{:.2f}") -> str:
 
 def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Header and plain-text cells shared by the Markdown and HTML tables."""
-    header = ["Model", "n", "Errors", "Accuracy [95% CI]", "Accuracy of scored", "Sources", "Hallucination", "I don't know",
-              "Valid tool calls", "Avg turns", "Latency p50 / p95", "Tokens in / out", "Cost / 1k q"]
+    header = ["Model", "n", "Errors", "Accuracy [95% CI]", "Accuracy of scored", "Sources", "Hallucination",
+              "I don't know", "Valid tool calls", "Avg turns", "Latency p50 / p95", "Tokens in / out", "Cost / 1k q"]
     rows = []
     for label, s in summary["models"].items():
         acc = _pct(s["accuracy"])
@@ -72,7 +73,8 @@ def _setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     for label, s in summary["models"].items():
         shape = s.get("episode") or {}
         rows.append([label, s.get("backend") or DASH, str(s.get("concurrency") or DASH), s.get("tool_choice") or DASH,
-                     *(str(shape.get(k, DASH)) for k in ("max_turns", "max_tokens", "max_body_chars", "search_results"))])
+                     *(str(shape.get(k, DASH))
+                       for k in ("max_turns", "max_tokens", "max_body_chars", "search_results"))])
     return header, rows
 
 
@@ -181,7 +183,8 @@ def _bar_chart(title: str, bars: list[tuple[str, float | None]], fmt, vmax: floa
     for i, (label, v) in enumerate(bars):
         y = 28 + i * rh
         short = label if len(label) <= 26 else label[:25] + "…"
-        out.append(f'<text x="{lw - 6}" y="{y + 14}" text-anchor="end"><title>{_esc(label)}</title>{_esc(short)}</text>')
+        out.append(f'<text x="{lw - 6}" y="{y + 14}" text-anchor="end">'
+                   f'<title>{_esc(label)}</title>{_esc(short)}</text>')
         if v is None:
             out.append(f'<text x="{lw + 4}" y="{y + 14}">{DASH}</text>')
             continue
@@ -309,12 +312,15 @@ def _attempt_html(r: dict) -> str:
 def _question_html(rs: list[dict]) -> str:
     q = rs[0]
     has_wrong = any(_status(r)[1] != "correct" for r in rs)
-    badges = " ".join(f'<span class="badge {_status(r)[1]}" title="{_esc(r.get("model"))}">{_esc(r.get("model"))}</span>'
+    badges = " ".join(f'<span class="badge {_status(r)[1]}" title="{_esc(r.get("model"))}">'
+                      f'{_esc(r.get("model"))}</span>'
                       for r in rs)
     facts = (f"<p><b>Gold answer:</b> {_esc(q.get('gold_answer'))}</p><p class=\"meta\">inbox {_esc(q.get('inbox'))} · "
-             f"date {_esc(q.get('query_date'))} · gold messages {_esc(', '.join(map(str, q.get('gold_message_ids') or [])))}</p>")
+             f"date {_esc(q.get('query_date'))} · "
+             f"gold messages {_esc(', '.join(map(str, q.get('gold_message_ids') or [])))}</p>")
     return (f'<details class="question" data-haswrong="{int(has_wrong)}"><summary>#{_esc(question_key(q))} '
-            f'{_esc(q.get("question"))} {badges}</summary>' + facts + "".join(_attempt_html(r) for r in rs) + "</details>")
+            f'{_esc(q.get("question"))} {badges}</summary>'
+            + facts + "".join(_attempt_html(r) for r in rs) + "</details>")
 
 
 # ---------------------------------------------------------------- page
@@ -322,7 +328,8 @@ def _question_html(rs: list[dict]) -> str:
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
 table{border-collapse:collapse;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}
-.chart{margin:8px 16px 8px 0;font-size:12px}.ct{font-weight:bold;font-size:13px}.legend{font-size:12px;margin-bottom:12px}
+.chart{margin:8px 16px 8px 0;font-size:12px}.ct{font-weight:bold;font-size:13px}\
+.legend{font-size:12px;margin-bottom:12px}
 details.question{border:1px solid #ddd;border-radius:4px;margin:6px 0;padding:4px 8px}
 details.attempt{margin:6px 0 6px 16px}summary{cursor:pointer}
 .badge{border-radius:3px;padding:0 5px;font-size:12px;color:#fff}.correct{background:#2e7d32}.wrong{background:#c62828}
@@ -366,10 +373,12 @@ def _html(title, records, summary, histories) -> str:
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{_esc(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{_esc(title)}</h1><p>{_esc(_when_what(records, summary))}</p>",
              "<h2>Comparison</h2>", table,
-             f"<p class=\"meta\">{_esc(NOTES)}</p>", "<h2>How each model played</h2>", _html_table(*_setup_rows(summary)),
+             f"<p class=\"meta\">{_esc(NOTES)}</p>", "<h2>How each model played</h2>",
+             _html_table(*_setup_rows(summary)),
              "<h2>Where answers went wrong</h2>", _html_table(*_outcome_rows(summary)),
              f"<p class=\"meta\">{_esc(OUTCOME_NOTE)}</p>",
-             *(["<h2>Paired comparison</h2>", _html_table(*_pair_rows(summary)), f"<p class=\"meta\">{_esc(PAIR_NOTE)}</p>"]
+             *(["<h2>Paired comparison</h2>", _html_table(*_pair_rows(summary)),
+                f"<p class=\"meta\">{_esc(PAIR_NOTE)}</p>"]
                if summary.get("pairs") else []),
              "<h2>Charts</h2><div>", *charts, "</div>"]
     if histories:

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Callable
 
-from . import evaluation, runs
-from .backends import ART_DIR
-from .data import DataError, Email, EmailDB, check_day, day_after
-from .questions import Question
+from email_agent.evaluation import players
+from email_agent import runs
+from email_agent.runs import ART_DIR
+from email_agent.errors import DataError
+from email_agent.data.email_db import Email, EmailDB, check_day, day_after
+from email_agent.data.questions import Question
 
 
 def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Question:
@@ -63,24 +65,24 @@ class Answer:
                 "withheld": self.withheld}
 
 
-async def ask(spec: str, question: Question, db: EmailDB, options: evaluation.Options,
+async def ask(spec: str, question: Question, db: EmailDB, options: players.Options,
               on_call: Callable | None = None, on_start: Callable | None = None,
               grounded_answers: bool = False) -> Answer:
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
     it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
     see `rollout.withhold_ungrounded`."""
     async with contextlib.AsyncExitStack() as stack:
-        contestant = await evaluation.open_contestant(spec, options, stack)
-        await evaluation.probe(contestant)
+        contestant = await players.open_contestant(spec, options, stack)
+        await players.probe(contestant)
         if on_start:
             on_start(contestant.label, contestant.shape.describe())
         return await answer_question(contestant, question, db, grounded_answers, on_call)
 
 
-async def answer_question(contestant: evaluation.Contestant, question: Question, db: EmailDB,
+async def answer_question(contestant: players.Contestant, question: Question, db: EmailDB,
                           grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
     """One rollout of an open contestant (served once, asked many times by `serve`), in its episode shape."""
-    from .rollout import RolloutConfig, rollout
+    from email_agent.agent.rollout import RolloutConfig, rollout
 
     calls: list[dict] = []
 

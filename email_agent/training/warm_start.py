@@ -26,13 +26,14 @@ from typing import Callable
 
 import art
 
-from .config import EXPERT_NAMES
-from .data import DataError, EmailDB
-from .expert import Ceiling, ExpertPolicy
-from .questions import Question, withheld
-from .rollout import RolloutConfig, rollout
-from .summary import read_results
-from .tools import TOOLS
+from email_agent.config import EXPERT_NAMES
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB
+from email_agent.agent.expert import Ceiling, ExpertPolicy
+from email_agent.data.questions import Question, withheld
+from email_agent.agent.rollout import RolloutConfig, rollout
+from email_agent.evaluation.scores import read_results
+from email_agent.agent.tools import TOOLS
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +172,9 @@ async def warm_start(cfg, model, trajectories: list, say: Callable[[str], None] 
     """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch
 (`cfg`: the run's TrainConfig).
 
-    `say` gets a line per epoch (step, epoch, seconds). Resumable: the step the warm start began at is saved in the run state before the first epoch, so after an
-    interruption (even kill -9) the epochs already checkpointed are skipped, not re-run on top of themselves.
+    `say` gets a line per epoch (step, epoch, seconds). Resumable: the step the warm start began at is saved in the
+    run state before the first epoch, so after an interruption (even kill -9) the epochs already checkpointed are
+    skipped, not re-run on top of themselves.
     """
     from art.utils.sft import create_lr_schedule
 

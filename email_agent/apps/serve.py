@@ -18,9 +18,12 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from . import ask, evaluation, tools
-from .backends import ART_DIR
-from .data import DataError, EmailDB
+from email_agent.apps import ask
+from email_agent.evaluation import players
+from email_agent.agent import tools
+from email_agent.runs import ART_DIR
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class Settings:
     db: str | None  # None: the run's own database, else default_db
     default_db: str
     inboxes: list[str]  # empty: every inbox of the database
-    options: evaluation.Options
+    options: players.Options
     grounded_answers: bool = True
     http: str | None = None  # HOST:PORT for streamable HTTP; None: stdio
     token: str | None = None
@@ -98,7 +101,7 @@ def check_settings(settings: Settings) -> None:
                         f"so that only clients with it are served, or bind 127.0.0.1")
 
 
-def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answers: bool, ready: bool = True):
+def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: bool, ready: bool = True):
     """The MCP server with its three tools. `ready`: the model answered the probe at start (else each
     ask_inbox probes it again first, so a model that is down is one clear tool error per request)."""
     from mcp.server.mcpserver import MCPServer
@@ -132,7 +135,7 @@ def make_server(contestant: evaluation.Contestant, scope: Scope, grounded_answer
         try:
             asked = ask.adhoc_question(scope.db, question, scope.inbox(inbox), tool_day(as_of))
             if not ready:
-                await evaluation.probe(contestant)
+                await players.probe(contestant)
                 ready = True
             result = await ask.answer_question(contestant, asked, scope.db, grounded_answers)
         except DataError as exc:
@@ -230,10 +233,10 @@ async def serve(settings: Settings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         listening = None if settings.http is None else stack.enter_context(listen(*parse_http(settings.http)))
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the stdio transport's: nothing else may write there
-            contestant = await evaluation.open_contestant(spec, settings.options, stack)
+            contestant = await players.open_contestant(spec, settings.options, stack)
         ready = True
         try:
-            await evaluation.probe(contestant)
+            await players.probe(contestant)
         except DataError as exc:
             ready = False
             log.warning("%s (ask_inbox fails until it answers; search_inbox and read_email work)", exc)
@@ -288,7 +291,7 @@ def settings_from_args(args, default_db: str) -> Settings:
     for flag in ("max_turns", "max_tokens", "concurrency"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
-    options = evaluation.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key,
+    options = players.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key,
                                  concurrency=args.concurrency,
                                  shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     return Settings(args.model, args.db, default_db, args.inbox, options, args.grounded_answers, args.http,

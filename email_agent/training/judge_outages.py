@@ -18,7 +18,8 @@ from typing import Awaitable, Callable
 
 from art import TrajectoryGroup
 
-from .data import DataError
+from email_agent.errors import DataError
+from email_agent.agent.rewards import JUDGE_TRANSIENT, RULER_ERROR, VERDICT_ERROR, VERDICT_TRANSIENT
 
 FIRST_WAIT_S = 5.0  # then doubled after each try, up to MAX_WAIT_S
 MAX_WAIT_S = 60.0
@@ -32,10 +33,10 @@ def failure(group: TrajectoryGroup, reward_mode: str) -> tuple[str, bool] | None
     """(error, may pass by waiting) if the judge that decides this group's rewards failed on it, else None.
     RULER decides a whole group; the answer judge decides each answer (under `ruler` it only grades metrics)."""
     for t in group.trajectories:
-        if t.metadata.get("ruler_error"):
-            return t.metadata["ruler_error"], bool(t.metadata.get("judge_transient"))
-        if reward_mode in ("judge", "shaped") and t.metadata.get("verdict_error"):
-            return t.metadata["verdict_error"], bool(t.metadata.get("verdict_transient"))
+        if t.metadata.get(RULER_ERROR):
+            return t.metadata[RULER_ERROR], bool(t.metadata.get(JUDGE_TRANSIENT))
+        if reward_mode in ("judge", "shaped") and t.metadata.get(VERDICT_ERROR):
+            return t.metadata[VERDICT_ERROR], bool(t.metadata.get(VERDICT_TRANSIENT))
     return None
 
 

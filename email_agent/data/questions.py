@@ -15,7 +15,8 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Iterator
 
-from .data import DataError, EmailDB, read_jsonl, read_parquet
+from email_agent.errors import DataError
+from email_agent.data.email_db import EmailDB, read_jsonl, read_parquet
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def normalize_question(raw: dict) -> Question:
         raise ValueError(f"not an object: {str(raw)[:40]!r}")
     if "_error" in raw:
         raise ValueError(raw["_error"])
-    missing = [k for k in ("id", "question", "answer", "message_ids", "inbox_address", "query_date") if raw.get(k) is None]
+    missing = [k for k in ("id", "question", "answer", "message_ids", "inbox_address", "query_date")
+               if raw.get(k) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     try:
@@ -94,7 +96,7 @@ def read_questions(path: str | Path) -> Iterator[dict]:
 
 def read_hub_questions(name: str = "corbt/enron_emails_sample_questions") -> Iterator[dict]:
     """Both splits of the ART·E question set, each row tagged with its split."""
-    from .data import load_hub_dataset
+    from email_agent.data.email_db import load_hub_dataset
 
     splits = load_hub_dataset(name)
     for split in ("train", "test"):

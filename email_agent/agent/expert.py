@@ -22,10 +22,10 @@ from datetime import date, timedelta
 import art
 from openai.types.chat import ChatCompletion
 
-from .data import MAX_SEARCH_RESULTS, EmailDB, day_after
-from .questions import Question
-from .rewards import normalize_answer
-from .rollout import RolloutConfig, rollout
+from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, day_after
+from email_agent.data.questions import Question
+from email_agent.agent.rewards import normalize_answer
+from email_agent.agent.rollout import RolloutConfig, rollout
 
 STOPWORDS = set("""a about after all am an and any are as at be been before being but by can could did do does
 for from had has have how i if in into is it its me my of on or our should so than that the their them then

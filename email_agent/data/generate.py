@@ -35,8 +35,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .data import DataError
-from .redact import redact
+from email_agent.errors import DataError
+from email_agent.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ def open_for_writing(db_path: str | Path) -> sqlite3.Connection:
             conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchall()
     except sqlite3.DatabaseError as exc:
         conn.close()
-        raise DataError(f"{path} is not an email database built by this tool ({exc}); rebuild it with build-db.") from None
+        raise DataError(f"{path} is not an email database built by this tool ({exc}); "
+                        "rebuild it with build-db.") from None
     return conn
 
 
@@ -347,7 +348,8 @@ def check_candidate(item, batch: Batch, conn, cfg: GenerateConfig, rng: random.R
         row = conn.execute("SELECT id FROM emails WHERE message_id = ?", (mid,)).fetchone()
         if row is None:
             raise Reject("cites an email that does not exist (fabricated id)")
-        if conn.execute("SELECT 1 FROM mailbox WHERE address = ? AND email_id = ?", (batch.inbox, row[0])).fetchone() is None:
+        if conn.execute("SELECT 1 FROM mailbox WHERE address = ? AND email_id = ?",
+                        (batch.inbox, row[0])).fetchone() is None:
             raise Reject("cites an email outside the inbox")
         raise Reject("cites an email the model was not shown")
     latest = max(date.fromisoformat(shown[m]["date"][:10]) for m in ids)

@@ -20,9 +20,10 @@ import shutil
 import time
 from pathlib import Path
 
-from .backends import ART_DIR, CPU_BASE_MODEL
-from .data import DataError
-from .runs import Run, find_run, is_step
+from email_agent.runs import ART_DIR
+from email_agent.backends import CPU_BASE_MODEL
+from email_agent.errors import DataError
+from email_agent.runs import Run, find_run, is_step
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def find_checkpoint(spec: str, art_dir: str = ART_DIR) -> tuple[Run, int, Path]:
         raise DataError(f"--model {spec}: a step is a number or 'latest'")
     run = find_run(name, art_dir)
     if run is None:
-        from .runs import list_runs
+        from email_agent.runs import list_runs
 
         known = ", ".join(r.name for r in list_runs(art_dir)) or "none"
         raise DataError(f"--model {name!r} is not a training run under {art_dir}/*/models/ (runs there: {known})")
@@ -123,7 +124,7 @@ def check_format(run: Run, fmt: str, base_model: str | None) -> None:
 
 
 def is_smollm2_gguf(run: Run) -> bool:
-    from .backends.cpu.model import SMOLLM2_NAMES
+    from email_agent.backends.cpu.model import SMOLLM2_NAMES
 
     return run.backend == "cpu" and run.base_model in SMOLLM2_NAMES
 
@@ -176,7 +177,7 @@ def write_lora(run: Run, checkpoint: Path, folder: Path) -> None:
 
 def cpu_chat_template(run: Run) -> str:
     """The chat template the CPU backend trained and served the run with (the tokenizer alone: no weights)."""
-    from .backends.cpu.model import TOOL_CHAT_TEMPLATE
+    from email_agent.backends.cpu.model import TOOL_CHAT_TEMPLATE
 
     if is_smollm2_gguf(run):
         return TOOL_CHAT_TEMPLATE
@@ -191,8 +192,8 @@ def merged_model(run: Run, checkpoint: Path, base_model: str | None):
     from peft import PeftModel
 
     if run.backend == "cpu":
-        from .backends.cpu import load_base_model
-        from .backends.cpu.checkpoints import load_merged
+        from email_agent.backends.cpu import load_base_model
+        from email_agent.backends.cpu.checkpoints import load_merged
 
         log.info("loading %s as the CPU backend trained on it (float32)", run.base_model)
         model, tokenizer = load_base_model(run.base_model)
@@ -202,7 +203,8 @@ def merged_model(run: Run, checkpoint: Path, base_model: str | None):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("loading %s in its own dtype (a 7B model takes ~15 GB of memory and minutes)", base_model or run.base_model)
+    log.info("loading %s in its own dtype (a 7B model takes ~15 GB of memory and minutes)",
+             base_model or run.base_model)
     source = base_model or run.base_model
     has_tokenizer = (checkpoint / "tokenizer_config.json").is_file()  # ART's trainer saves the one it used
     try:
@@ -246,7 +248,7 @@ def write_gguf(run: Run, step: int, model, tokenizer, folder: Path) -> None:
     longer be the model that was evaluated (llama-quantize makes a smaller copy if wanted)."""
     import gguf
 
-    from .backends.cpu import find_base_model
+    from email_agent.backends.cpu import find_base_model
 
     source = gguf.GGUFReader(find_base_model(run.base_model))
     arch = source.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -299,8 +301,8 @@ def rope_permute(weights, heads: int):
 
 def readme(run: Run, step: int, fmt: str, target: Path) -> str:
     """How to load the export in each runtime, and how to prompt it as it was trained."""
-    from .rollout import SYSTEM_PROMPT
-    from .tools import TOOLS
+    from email_agent.agent.rollout import SYSTEM_PROMPT
+    from email_agent.agent.tools import TOOLS
 
     shape = run.shape
     base = hub_base(run)
@@ -348,7 +350,7 @@ def readme(run: Run, step: int, fmt: str, target: Path) -> str:
 
 
 def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
-    from .backends.gpu import vllm_lora_rank
+    from email_agent.backends.art_backends import vllm_lora_rank
 
     rank = vllm_lora_rank(run.config.get("lora_rank", 8))
     vllm_tools = "--enable-auto-tool-choice --tool-call-parser hermes"

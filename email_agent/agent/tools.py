@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .data import MAX_SEARCH_RESULTS, EmailDB, day_after, day_start
+from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, day_after, day_start
 
 DEFAULT_MAX_BODY_CHARS = 4000  # long bodies (up to 380k chars in Enron) would overflow the context
 DEFAULT_SEARCH_RESULTS = 10  # results per search when the model does not ask for a number
@@ -60,7 +60,8 @@ class Inbox:
     address: str
     query_date: str  # 'YYYY-MM-DD'; mail dated after this day is invisible
     max_body_chars: int = DEFAULT_MAX_BODY_CHARS
-    default_max_results: int = DEFAULT_SEARCH_RESULTS  # when the model does not say; fewer results mean shorter contexts
+    # when the model does not say; fewer results mean shorter contexts
+    default_max_results: int = DEFAULT_SEARCH_RESULTS
 
     def __post_init__(self):
         self.visible_until = day_after(self.query_date)
@@ -81,7 +82,8 @@ class Inbox:
         record = {key: value for key, value in asdict(email).items() if key != "file_name" and value != []}
         body = record["body"]
         if len(body) > self.max_body_chars:
-            record["body"] = body[:self.max_body_chars] + f"\n[... {len(body) - self.max_body_chars} more characters cut]"
+            record["body"] = (body[:self.max_body_chars]
+                              + f"\n[... {len(body) - self.max_body_chars} more characters cut]")
         return record
 
 

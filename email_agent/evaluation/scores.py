@@ -12,7 +12,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from .rewards import valid_tool_call_rate
+from email_agent.agent.rewards import valid_tool_call_rate
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
