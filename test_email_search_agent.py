@@ -29,7 +29,7 @@ from email_agent.runs import ART_DIR, PROJECT
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB
-from email_agent.agent.episode import EpisodeShape
+from email_agent.agent.episode import Episode
 from email_agent.data.questions import Question, id_sort_key, select_questions
 
 DEFAULT_DB, DEMO_DB = "data/enron_emails.db", "data/demo.db"
@@ -104,7 +104,7 @@ async def evaluate(args) -> int:
         schedule = players.Schedule(contestants, len(questions), args.concurrency)
 
         async def one(contestant: players.Contestant, question: Question):
-            config = contestant.rollout_config(scoring)
+            config = contestant.episode(scoring)
             async with schedule.turn(contestant.label):
                 traj = await rollout(contestant.policy, question, db, config)
             return players.make_record(contestant, question, traj, config)
@@ -178,7 +178,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="question order and sampling seed (default 0)")
     p.add_argument("--concurrency", type=int, default=8, help="simultaneous rollouts per model, and the CPU "
                                                               "server's decoding batch (default 8)")
-    shape = EpisodeShape()
+    shape = Episode()
     for flag, default, meaning in (("--max-turns", shape.max_turns, "agent turns per question"),
                                    ("--max-tokens", shape.max_tokens, "tokens per model reply"),
                                    ("--max-body-chars", shape.max_body_chars, "read_email cuts longer bodies"),

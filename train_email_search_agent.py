@@ -132,7 +132,7 @@ def export_command(args) -> None:
 
 # ---- train: the configuration, then the loop -----------------------------------------------------
 
-async def validate(model, policy, questions, db, rollout_config, step: int) -> str:
+async def validate(model, policy, questions, db, episode, step: int) -> str:
     """Greedy episodes of the validation questions, logged as val/*; returns the line to print."""
     import art
 
@@ -142,7 +142,7 @@ async def validate(model, policy, questions, db, rollout_config, step: int) -> s
     greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
     # One-episode groups because only gather_trajectory_groups takes max_metrics: gather_trajectories' bar
     # shows every metric (~20), a line that wraps and floods the terminal at each refresh.
-    groups = await art.gather_trajectory_groups((art.TrajectoryGroup([rollout(greedy, q, db, rollout_config)])
+    groups = await art.gather_trajectory_groups((art.TrajectoryGroup([rollout(greedy, q, db, episode)])
                                                  for q in questions),
                                                 pbar_desc="validate", max_exceptions=len(questions), max_metrics=4)
     trajs = [t for g in groups for t in g.trajectories]

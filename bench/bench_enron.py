@@ -31,7 +31,7 @@ from email_agent.config import TrainConfig
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.expert import Ceiling, expert_episodes
 from email_agent.data.questions import select_questions, training_questions
-from email_agent.agent.rollout import RolloutConfig
+from email_agent.agent.episode import Episode
 from email_agent.evaluation.scores import warm_start_steps
 from shared import add_training_flags, answers_by_model, paired_test, print_table, run
 
@@ -120,7 +120,7 @@ def expert_ceilings(db_path: Path, args) -> dict[str, Ceiling]:
     cfg = TrainConfig(db=str(db_path), val_size=args.val_size, seed=args.seed)
     _, train, _ = training_questions(db, cfg)
     test = select_questions(db, "test", seed=0)
-    config = RolloutConfig(max_turns=args.max_turns, max_body_chars=600, search_results=3)
+    config = Episode(max_turns=args.max_turns, max_body_chars=600, search_results=3)
     groups = {f"train ({len(train)} questions)": train,
               f"test, evaluated ({min(args.test_questions, len(test))})": test[:args.test_questions],
               f"test, all ({len(test)})": test}

@@ -27,7 +27,8 @@ from openai import AsyncOpenAI
 from email_agent.data.build import build_database
 from email_agent.data.email_db import EmailDB, read_emails
 from email_agent.data.questions import Question
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from scripted_server import ScriptedServer, call
 
 SAMPLE = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
@@ -59,7 +60,7 @@ async def run(db: EmailDB, questions, scripts, concurrency: int):
         client = AsyncOpenAI(base_url=server.base_url, api_key="bench", max_retries=0)
         policy = Policy(client, "scripted", max_concurrency=concurrency)
         started = time.perf_counter()
-        trajs = await asyncio.gather(*(rollout(policy, q, db, RolloutConfig()) for q in questions))
+        trajs = await asyncio.gather(*(rollout(policy, q, db, Episode()) for q in questions))
         wall = time.perf_counter() - started
         await client.close()
     return trajs, wall

@@ -35,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, served_model_dir
 from email_agent.backends.vllm_server import VLLMServer
 from email_agent.data.email_db import EmailDB
-from email_agent.agent.episode import EpisodeShape
+from email_agent.agent.episode import Episode
 from email_agent.data.questions import select_questions
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.rollout import Policy, rollout
 
 import openai
 import psutil
 
-SHAPE = EpisodeShape(max_turns=4, max_tokens=64, max_body_chars=600, search_results=3)
+SHAPE = Episode(max_turns=4, max_tokens=64, max_body_chars=600, search_results=3)
 AT_ONCE = 8  # the evaluation's --concurrency and the server's batch
 GRPO_QUESTIONS, GRPO_ROLLOUTS, GRPO_TEMPERATURE = 2, 4, 0.7  # the demo preset's step
 
@@ -103,9 +103,9 @@ async def peak_memory(pid_of):
 
 async def play(client, questions, db, temperature: float, rollouts: int, seed: int = 0) -> tuple[list, float]:
     """`rollout` of every question `rollouts` times, AT_ONCE at a time: (trajectories, seconds)."""
-    policy = Policy(client, "bench", temperature=temperature, max_tokens=SHAPE.max_tokens, max_concurrency=AT_ONCE)
+    policy = Policy(client, "bench", temperature=temperature, max_concurrency=AT_ONCE)
     started = time.monotonic()
-    trajectories = await asyncio.gather(*(rollout(policy, q, db, RolloutConfig.for_shape(SHAPE))
+    trajectories = await asyncio.gather(*(rollout(policy, q, db, SHAPE)
                                           for q in questions for _ in range(rollouts)))
     return trajectories, time.monotonic() - started
 

@@ -27,7 +27,7 @@ from email_agent.backends.cpu.model import inference_dtype
 from email_agent.data.build import build_database, open_sources
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import select_questions
-from email_agent.agent.rollout import RolloutConfig
+from email_agent.agent.episode import Episode
 from email_agent.training.warm_start import expert_trajectories
 
 import art
@@ -79,7 +79,7 @@ async def main(args: argparse.Namespace) -> None:
         build_database(emails, questions, db_path, source="demo", progress=False)
         db = EmailDB(str(db_path))
         train = select_questions(db, "train", single_source=True, seed=0)
-        config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+        config = Episode(max_turns=4, max_body_chars=600, search_results=3)
         trajectories = (await expert_trajectories(db, train, config))[:args.episodes]
         print(f"{len(trajectories)} demo-expert episodes, batches of 4, inference dtype {inference_dtype()}, "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from email_agent.runs import ART_DIR, PROJECT, run_path
 from email_agent.errors import DataError
-from email_agent.agent.episode import EpisodeShape
+from email_agent.agent.episode import Episode
 
 EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
 
@@ -48,10 +48,10 @@ class TrainConfig:
     learning_rate: float = 1.2e-5
     advantage_balance: float = 0.0  # ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)
     scale_rewards: bool = True  # divide each group's advantages by its reward std (ART's default); off: Dr. GRPO
-    max_turns: int = EpisodeShape.max_turns  # agent turns per question
-    max_tokens: int = EpisodeShape.max_tokens  # tokens per model reply
-    max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies
-    search_results: int = EpisodeShape.search_results  # results per search when the model does not ask for a number
+    max_turns: int = Episode.max_turns  # agent turns per question
+    max_tokens: int = Episode.max_tokens  # tokens per model reply
+    max_body_chars: int = Episode.max_body_chars  # read_email cuts longer bodies
+    search_results: int = Episode.search_results  # results per search when the model does not ask for a number
     temperature: float = 1.0  # rollout sampling temperature
     eval_every: int = 30  # validate every N steps (and at the end)
     keep_checkpoints: str = "best"  # best: keep the latest and the best (val/reward) checkpoint; all: keep every one
@@ -107,7 +107,7 @@ def saved_config(cfg: TrainConfig, backend: str) -> dict:
     """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
     is served where it was trained and plays the episodes it learned on."""
     return {**asdict(cfg), "db": str(Path(cfg.db).resolve()),  # found from any folder the run is evaluated in
-            "backend": backend, "episode": asdict(EpisodeShape.from_run_config(asdict(cfg)))}
+            "backend": backend, "episode": Episode.from_run_config(asdict(cfg)).shape()}
 
 
 # What a CPU run takes from the demo preset when these flags are not given: its episode shape and batch. The

@@ -15,10 +15,10 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-from email_agent.agent.episode import EpisodeShape
+from email_agent.agent.episode import SHAPE, Episode
 from email_agent.errors import DataError
 
 ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
@@ -78,8 +78,8 @@ class Run:
         return self.config["base_model"]
 
     @property
-    def shape(self) -> EpisodeShape:
-        return EpisodeShape.from_run_config(self.config)
+    def shape(self) -> Episode:
+        return Episode.from_run_config(self.config)
 
     def steps(self) -> list[int]:
         folder = self.path / "checkpoints"
@@ -116,8 +116,8 @@ def config_problem(config) -> str | None:
     if not isinstance(episode, dict):
         return f"episode is {episode!r}, not an object"
     for key, value in [*((k, config[k]) for k in CONFIG_TYPES if config.get(k) is not None),
-                       *((f"episode.{f.name}", episode[f.name]) for f in fields(EpisodeShape) if f.name in episode),
-                       *((f.name, config[f.name]) for f in fields(EpisodeShape) if config.get(f.name) is not None)]:
+                       *((f"episode.{name}", episode[name]) for name in SHAPE if name in episode),
+                       *((name, config[name]) for name in SHAPE if config.get(name) is not None)]:
         kind = CONFIG_TYPES.get(key, int)
         if type(value) is not kind or kind is int and value < 1:
             return f"{key} is {value!r}, not a{' positive' if kind is int else ''} {kind.__name__}"

@@ -139,7 +139,8 @@ def test_the_rollout_hook_sees_every_action(demo_db, q):
     answer, leaves out its parsed arguments as every other good call's outcome has them."""
     import asyncio
 
-    from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+    from email_agent.agent.episode import Episode
+    from email_agent.agent.rollout import Policy, rollout
     from openai import AsyncOpenAI
 
     seen = []
@@ -147,7 +148,7 @@ def test_the_rollout_hook_sees_every_action(demo_db, q):
               call("return_final_answer", {"answer": 7}), *expert_script(q)]
     with serve_in_thread({q.question: script}) as server:
         policy = Policy(AsyncOpenAI(base_url=server.base_url, api_key="x"), "x")
-        traj = asyncio.run(rollout(policy, q, demo_db, RolloutConfig(), on_call=lambda *a: seen.append(a)))
+        traj = asyncio.run(rollout(policy, q, demo_db, Episode(), on_call=lambda *a: seen.append(a)))
     assert [(name, outcome.error if outcome else None) for name, _, outcome in seen] == [
         (None, None), ("nope", "bad_tool_name"), ("search_inbox", None), ("nope", "extra_tool_call"),
         ("return_final_answer", "bad_tool_args"), ("search_inbox", None), ("read_email", None),

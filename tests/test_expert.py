@@ -11,7 +11,7 @@ from email_agent.data import build
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.expert import Ceiling, expert_episodes, holds_answer, sent_window
 from email_agent.data.questions import select_questions
-from email_agent.agent.rollout import RolloutConfig
+from email_agent.agent.episode import Episode
 
 ME = "tana.jones@corp.example"
 
@@ -64,7 +64,7 @@ def inbox(tmp_path_factory):
 
 def episodes(db, max_turns=6):
     questions = select_questions(db, "train")
-    trajs = asyncio.run(expert_episodes(db, questions, RolloutConfig(max_turns=max_turns, search_results=3)))
+    trajs = asyncio.run(expert_episodes(db, questions, Episode(max_turns=max_turns, search_results=3)))
     return {q.id: t for q, t in zip(questions, trajs)}
 
 

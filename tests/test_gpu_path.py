@@ -20,7 +20,8 @@ from email_agent import backends
 from email_agent.training import training_data
 from email_agent.data import questions as qmod
 from hermes_calls import parse_tool_calls
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from email_agent.training.warm_start import expert_trajectories
 from email_agent.agent.tools import parse_arguments
 from scripted_server import ScriptedServer, as_vllm_renders, call, expert_script
@@ -53,7 +54,7 @@ def play(tokenizer, db, questions):
     async def go():
         async with ScriptedServer(scripts, tokenizer=tokenizer) as server:
             client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
-            groups = [art.TrajectoryGroup([await rollout(Policy(client, name), q, db, RolloutConfig(max_turns=5))
+            groups = [art.TrajectoryGroup([await rollout(Policy(client, name), q, db, Episode(max_turns=5))
                                            for name in PLAYS]) for q in questions]
             await client.close()
             return groups, server.served
@@ -119,7 +120,7 @@ def test_warm_start_teaches_what_vllm_shows_and_calls_the_parser_reads(tokenizer
     arguments `tools.parse_arguments` accepts. Qwen2.5's template puts `arguments | tojson` on the episodes'
     JSON strings, encoding them twice, unless the loop hands it objects (`training_data.for_sft`)."""
     questions = qmod.select_questions(demo_db, "train", seed=0)[:6]
-    episodes = asyncio.run(expert_trajectories(demo_db, questions, RolloutConfig()))
+    episodes = asyncio.run(expert_trajectories(demo_db, questions, Episode()))
     assert episodes
     form = training_data.argument_form(tokenizer.chat_template)
     qwen_style = "is string" not in tokenizer.chat_template

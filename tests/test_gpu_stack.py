@@ -26,7 +26,7 @@ from email_agent import backends
 from email_agent.training import training_data
 from email_agent.data import questions as qmod
 from email_agent.backends import art_backends as gpu_checks
-from email_agent.agent.rollout import RolloutConfig
+from email_agent.agent.episode import Episode
 from email_agent.training.warm_start import expert_trajectories, warm_start
 
 import train_email_search_agent as cli
@@ -54,7 +54,7 @@ def test_the_warm_start_through_art_s_local_backend_trains_exactly_the_assistant
     model's template and masks it with unsloth_zoo's train_on_responses_only. What it trains must be each
     assistant turn (a tool call the agent's parser reads) and nothing the tools or the user said."""
     questions = qmod.select_questions(demo_db, "train", seed=0)[:4]
-    episodes = asyncio.run(expert_trajectories(demo_db, questions, RolloutConfig()))
+    episodes = asyncio.run(expert_trajectories(demo_db, questions, Episode()))
     cfg = cli.TrainConfig(base_model=str(qwen_style_model_dir), sft_from="expert", sft_batch_size=2,
                           sft_schedule="constant", art_dir=str(tmp_path))
     with on_a_gpu_machine(monkeypatch, scripts={}):

@@ -13,7 +13,8 @@ from openai import AsyncOpenAI
 from email_agent.agent import rewards
 from email_agent.data import questions as qmod
 from email_agent.errors import DataError
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from scripted_server import ScriptedServer, expert_script
 
 ACCEPT = {"text": json.dumps({"reasoning": "same facts", "accept": True})}
@@ -33,7 +34,7 @@ def play(db, q, answer, judge_reply, mode, tmp_path):
         async with ScriptedServer(scripts) as server:
             mode_, judge = rewards.configure(mode, "openai/judge", server.base_url, tmp_path)
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
-            traj = await rollout(Policy(client, "agent"), q, db, RolloutConfig(reward=mode_, judge=judge))
+            traj = await rollout(Policy(client, "agent"), q, db, Episode(reward=mode_, judge=judge))
             return traj, [r for r in server.requests if r["model"] == "judge"]
 
     return asyncio.run(go())
@@ -236,7 +237,7 @@ def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db
     async def go():
         async with ScriptedServer(scripts) as server:
             judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=1)
-            config = RolloutConfig(reward="shaped", judge=judge, hallucination_penalty=2.0)
+            config = Episode(reward="shaped", judge=judge, hallucination_penalty=2.0)
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, demo_db, config)
             first = (dict(traj.metrics), dict(traj.metadata))
@@ -267,7 +268,7 @@ def test_a_regraded_episode_the_judge_accepts_is_rewarded_in_the_runs_mode(demo_
 
     async def go():
         async with ScriptedServer(scripts) as server:
-            config = RolloutConfig(reward=reward, judge=rewards.LLMJudge("openai/judge", api_base=server.base_url,
+            config = Episode(reward=reward, judge=rewards.LLMJudge("openai/judge", api_base=server.base_url,
                                                                          retries=1))
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, demo_db, config)
@@ -278,4 +279,4 @@ def test_a_regraded_episode_the_judge_accepts_is_rewarded_in_the_runs_mode(demo_
     assert traj.metrics["answer_correct"] == 1 and traj.metadata["verdict_judge"] == "openai/judge"
     assert traj.reward == pytest.approx(1.0 if reward == "judge" else rewards.shaped_reward(
         rewards.Rubric(**{k: v for k, v in traj.metrics.items() if k in rewards.Rubric.__dataclass_fields__}),
-        RolloutConfig().max_turns, len(q.message_ids)))
+        Episode().max_turns, len(q.message_ids)))

@@ -17,7 +17,8 @@ from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenL
 from conftest import ROOT
 from email_agent.training import step_health
 from email_agent.data import questions as qmod
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from art_doubles import on_a_gpu_machine
 from scripted_server import ScriptedServer, call, expert_script
 
@@ -43,7 +44,7 @@ def record(db, qs, plays, logprobs=True):
     async def go():
         async with ScriptedServer(scripts) as server:
             client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
-            config = RolloutConfig(max_turns=2 if "chatty" in plays else 4)
+            config = Episode(max_turns=2 if "chatty" in plays else 4)
             groups = [art.TrajectoryGroup(await asyncio.gather(
                 *(rollout(Policy(client, name), q, db, config) for name in plays))) for q in qs]
             await client.close()

@@ -14,7 +14,8 @@ from email_agent.data import questions as qmod
 from email_agent.agent import rewards
 from email_agent.data.questions import Question
 from email_agent.agent.rewards import Rubric, shaped_reward
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from scripted_server import ScriptedServer, call, expert_script
 
 
@@ -26,7 +27,7 @@ async def play(db, script_by_question, qs, config=None, timeout=10.0, max_retrie
     async with ScriptedServer(script_by_question) as server:
         client = AsyncOpenAI(base_url=server.base_url, api_key="test", timeout=timeout, max_retries=max_retries)
         policy = Policy(client, "scripted", **policy_options)
-        trajs = await asyncio.gather(*(rollout(policy, q, db, config or RolloutConfig()) for q in qs))
+        trajs = await asyncio.gather(*(rollout(policy, q, db, config or Episode()) for q in qs))
         await client.close()
         return trajs, server
 
@@ -44,7 +45,7 @@ def test_the_runs_body_limit_and_result_count_reach_the_agents_inbox(demo_db, q)
     script = [call("search_inbox", {"keywords": ["trip"]}), *expert_script(q)[1:]]  # 5 results in this inbox
     listed = []
     for count in (1, 2):
-        _, server = run(play(demo_db, {q.question: script}, [q], RolloutConfig(max_body_chars=30,
+        _, server = run(play(demo_db, {q.question: script}, [q], Episode(max_body_chars=30,
                                                                                search_results=count)))
         listed.append(len(json.loads(server.requests[-1]["messages"][3]["content"])))
     assert listed == [1, 2]
@@ -117,7 +118,7 @@ def test_hallucination_and_idk(demo_db, q):
     (traj,), _ = run(play(demo_db, wrong, [q]))
     assert (traj.metrics["attempted_answer"], traj.metrics["hallucinated"], traj.metrics["answer_correct"]) == (1, 1, 0)
     assert traj.reward == pytest.approx(-1.0)
-    (traj,), _ = run(play(demo_db, wrong, [q], RolloutConfig(hallucination_penalty=2)))
+    (traj,), _ = run(play(demo_db, wrong, [q], Episode(hallucination_penalty=2)))
     assert traj.reward == pytest.approx(-2.0)  # a costlier hallucination
     # the right answer citing another email: the sources are not right just because there are some
     other = {q.question: [call("return_final_answer", {"answer": q.answer, "sources": ["<other@x>"]})]}
@@ -183,11 +184,11 @@ def test_every_bad_call_and_search_is_counted_not_just_the_first():
 
 def test_max_turns_exhaustion(demo_db, q):
     script = {q.question: [call("search_inbox", {"keywords": ["zebra"]})] * 3}
-    (traj,), _ = run(play(demo_db, script, [q], RolloutConfig(max_turns=3)))
+    (traj,), _ = run(play(demo_db, script, [q], Episode(max_turns=3)))
     assert (traj.metrics["ran_out_of_turns"], traj.metrics["num_turns"], traj.metrics["attempted_answer"]) == (1, 3, 0)
     assert traj.reward == -0.5 and traj.metadata["answer"] is None  # below "I don't know": no decision made
     # an answer on the last turn is not out of turns, and the time spent in the tools is counted
-    (traj,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(max_turns=3)))
+    (traj,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], Episode(max_turns=3)))
     assert (traj.metrics["ran_out_of_turns"], traj.metrics["answer_correct"]) == (0, 1)
     assert traj.metrics["env_s"] > 0 and traj.messages_and_choices[-1]["content"] == "Answer recorded."
 
@@ -274,7 +275,7 @@ def test_cannot_read_other_inboxes_or_future_mail(demo_db, q):
                            call("search_inbox", {"keywords": [future_word], "max_results": 20}),
                            call("search_inbox", {"keywords": [other_word], "max_results": 20}),
                            call("search_inbox", {"keywords": ['") OR 1=1 --', "*", "NEAR(a b)"]})]}
-    (traj,), server = run(play(demo_db, script, [q], RolloutConfig(max_turns=5)))
+    (traj,), server = run(play(demo_db, script, [q], Episode(max_turns=5)))
     contents = [m["content"] for m in server.requests[-1]["messages"] if m["role"] == "tool"]
     assert "no email with message_id" in contents[0] and "no email with message_id" in contents[1]
     assert traj.metrics["ever_read_invalid_email"] == 1 and traj.metrics["bad_tool_args"] == 0
@@ -302,7 +303,7 @@ def test_latency_counts_the_model_not_the_wait_for_a_request_slot(demo_db):
             client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
             policy = Policy(client, "scripted", max_concurrency=1)
             started = asyncio.get_running_loop().time()
-            trajs = await asyncio.gather(*(rollout(policy, x, demo_db, RolloutConfig()) for x in qs))
+            trajs = await asyncio.gather(*(rollout(policy, x, demo_db, Episode()) for x in qs))
             await client.close()
             return trajs, asyncio.get_running_loop().time() - started
 
@@ -346,18 +347,19 @@ def test_an_episode_shape_and_a_served_model_become_the_rollouts_settings():
     checkpoint must play the episodes it was trained on), or a trained model's client left without a time limit
     (a hung server would stall a training step for ever)."""
     import art
-    from email_agent.agent.episode import EpisodeShape
+    from email_agent.agent.episode import Episode
 
-    config = RolloutConfig.for_shape(EpisodeShape(max_turns=3, max_tokens=50, max_body_chars=700, search_results=4),
-                                     reward="judge")
-    assert (config.max_turns, config.max_body_chars, config.search_results, config.reward) == (3, 700, 4, "judge")
+    trained = Episode(max_turns=3, max_tokens=50, max_body_chars=700, search_results=4, reward="offline")
+    episode = trained.scored(Episode(max_turns=10, search_results=9, reward="judge", grounded_answers=True))
+    assert episode.shape() == {"max_turns": 3, "max_tokens": 50, "max_body_chars": 700, "search_results": 4}
+    assert (episode.reward, episode.grounded_answers) == ("judge", True)
     model = art.Model(name="agent", project="p", inference_base_url="http://127.0.0.1:9/v1",
                       inference_model_name="agent@2")
     policy = Policy.for_model(model)
     assert (policy.model, policy.client.timeout, policy.client.max_retries) == ("agent@2", 300.0, 2)
-    policy = Policy.for_model(model, timeout=5.0, max_retries=0, temperature=0.3, max_tokens=99)
-    assert (policy.client.timeout, policy.client.max_retries, policy.temperature, policy.max_tokens) == \
-        (5.0, 0, 0.3, 99)  # the sampling settings reach the policy, the client's reach the client
+    policy = Policy.for_model(model, timeout=5.0, max_retries=0, temperature=0.3, max_concurrency=3)
+    assert (policy.client.timeout, policy.client.max_retries, policy.temperature, policy.max_concurrency) == \
+        (5.0, 0, 0.3, 3)  # the sampling settings reach the policy, the client's reach the client
 
 
 def test_shaped_reward_hand_values():
@@ -489,7 +491,7 @@ def test_i_dont_know_is_graded_wrong_by_rule(q):
     from email_agent.agent.rollout import grade
 
     rubric = Rubric()
-    verdict = asyncio.run(grade(rubric, q, "I don't know", [], RolloutConfig()))
+    verdict = asyncio.run(grade(rubric, q, "I don't know", [], Episode()))
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "rule", "answered I don't know")
     assert (rubric.returned_i_dont_know, rubric.attempted_answer, rubric.answer_correct) == (1, 0, 0)
 
@@ -528,7 +530,7 @@ def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_
     (plain,), _ = run(play(demo_db, invented, [q]))
     assert plain.metrics["hallucinated"] == 1 and plain.metrics["withheld_answer"] == 0
     assert plain.metadata["withheld"] is None
-    (checked,), _ = run(play(demo_db, invented, [q], RolloutConfig(grounded_answers=True)))
+    (checked,), _ = run(play(demo_db, invented, [q], Episode(grounded_answers=True)))
     m = checked.metrics
     assert (m["returned_i_dont_know"], m["attempted_answer"], m["hallucinated"]) == (1, 0, 0)
     assert (m["withheld_answer"], m["withheld_right"], m["judge_error"]) == (1, 0, 0)  # graded, by a judge that ran
@@ -540,17 +542,17 @@ def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_
     assert checked.metadata["verdict_judge"] == "rule"
     # "I don't know" (no name in it to check) and no answer at all pass the check untouched
     idk = {q.question: expert_script(q, answer="I don't know", sources=[])}
-    (abstained,), _ = run(play(demo_db, idk, [q], RolloutConfig(grounded_answers=True)))
+    (abstained,), _ = run(play(demo_db, idk, [q], Episode(grounded_answers=True)))
     assert abstained.metrics["withheld_answer"] == 0 and abstained.metadata["withheld"] is None
     assert (abstained.metadata["verdict_judge"], abstained.metadata["verdict_reasoning"]) == ("rule",
                                                                                              "answered I don't know")
-    (silent,), _ = run(play(demo_db, {q.question: expert_script(q)[:1]}, [q], RolloutConfig(max_turns=1,
+    (silent,), _ = run(play(demo_db, {q.question: expert_script(q)[:1]}, [q], Episode(max_turns=1,
                                                                                              grounded_answers=True)))
     assert silent.metrics["ran_out_of_turns"] == 1 and silent.metadata["withheld"] is None
     # a right answer copied from the email passes; one that adds an unseen code is withheld, and counted as right
-    (right,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], RolloutConfig(grounded_answers=True)))
+    (right,), _ = run(play(demo_db, {q.question: expert_script(q)}, [q], Episode(grounded_answers=True)))
     assert right.metrics["answer_correct"] == 1 and right.metrics["withheld_answer"] == 0
     padded = {q.question: expert_script(q, answer=f"{q.answer}, booking 9ZZ9")}
-    (costly,), _ = run(play(demo_db, padded, [q], RolloutConfig(grounded_answers=True)))
+    (costly,), _ = run(play(demo_db, padded, [q], Episode(grounded_answers=True)))
     m = costly.metrics
     assert (m["withheld_answer"], m["withheld_right"], m["answer_correct"]) == (1, 1, 0)

@@ -11,7 +11,8 @@ from openai import AsyncOpenAI
 from email_agent.training import step_health
 from email_agent.agent import rewards
 from email_agent.data import questions as qmod
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from scripted_server import ScriptedServer, call, expert_script
 from test_preflight import LOGPROBS
 
@@ -46,7 +47,7 @@ def group(demo_db):
     async def go():
         async with ScriptedServer(scripts) as server:
             client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
-            trajs = await asyncio.gather(*(rollout(Policy(client, p), q, demo_db, RolloutConfig()) for p in PLAYS))
+            trajs = await asyncio.gather(*(rollout(Policy(client, p), q, demo_db, Episode()) for p in PLAYS))
             await client.close()
             return trajs
 

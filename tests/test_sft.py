@@ -11,7 +11,8 @@ from email_agent.data import questions as qmod
 from email_agent.config import DEMO_PRESET, TrainConfig, check
 from email_agent.errors import DataError
 from email_agent.agent.expert import question_keywords
-from email_agent.agent.rollout import RolloutConfig, assistant_message
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import assistant_message
 from email_agent.training.warm_start import expert_trajectories, sft_source, teacher_trajectories
 
 
@@ -24,7 +25,7 @@ def test_question_keywords():
 def test_expert_solves_most_train_questions_and_never_test(demo_db):
     train = qmod.select_questions(demo_db, "train")
     test = qmod.select_questions(demo_db, "test")[:5]
-    trajs = asyncio.run(expert_trajectories(demo_db, train + test, RolloutConfig(max_turns=4, max_body_chars=600)))
+    trajs = asyncio.run(expert_trajectories(demo_db, train + test, Episode(max_turns=4, max_body_chars=600)))
     solved = [t for t in trajs if t.metrics["answer_correct"]]
     assert len(solved) >= 0.6 * len(train)  # 163 of 210 with 4 turns and 3 results when written
     assert {t.metadata["question_id"] for t in trajs} <= {q.id for q in train}
@@ -41,7 +42,7 @@ def test_the_demo_presets_warm_start_episodes_are_unchanged(demo_db, caplog):
     names first, plays the demo preset's train questions message for message as the demo-only expert did
     (the digest below was the same from that expert's code, commit 1aa0dbd), and logs its ceiling."""
     _, train, _ = qmod.training_questions(demo_db, TrainConfig(**DEMO_PRESET))
-    config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    config = Episode(max_turns=4, max_body_chars=600, search_results=3)
     with caplog.at_level(logging.INFO, logger="email_agent"):
         trajs = asyncio.run(sft_source("demo-expert", demo_db, train, config))
     played = json.dumps([[m if isinstance(m, dict) else assistant_message(m) for m in t.messages_and_choices]
@@ -58,7 +59,7 @@ def test_warm_start_abstains_only_where_the_search_really_fails(demo_db):
     showed the gold email: the expert's own failures, or a question asked the day before its gold email
     was sent (withheld). The mix is shuffled, so a --sft-limit prefix keeps it."""
     train = qmod.select_questions(demo_db, "train", seed=0)
-    config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    config = Episode(max_turns=4, max_body_chars=600, search_results=3)
     trajs = asyncio.run(expert_trajectories(demo_db, train, config))
     idk = [t for t in trajs if t.metrics["returned_i_dont_know"]]
     assert 0.2 <= len(idk) / len(trajs) <= 0.3
@@ -124,7 +125,7 @@ def test_a_teacher_folder_with_unreadable_results(demo_db, tmp_path, caplog):
         teacher_trajectories(folder, demo_db)
     (folder / "results.jsonl").write_text(json.dumps(record(train_id)) + "\n" + json.dumps(record(train_id))[:50])
     with caplog.at_level(logging.WARNING, logger="email_agent"):
-        trajs = asyncio.run(sft_source(str(folder), demo_db, [], RolloutConfig()))
+        trajs = asyncio.run(sft_source(str(folder), demo_db, [], Episode()))
     assert len(trajs) == 1 and "1 unreadable line(s)" in caplog.text
 
 
@@ -132,12 +133,12 @@ def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, c
     train_id = qmod.select_questions(demo_db, "train")[0].id
     shape = {"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10}
     (tmp_path / "results.jsonl").write_text(json.dumps({**record(train_id), "episode": shape}) + "\n")
-    same = RolloutConfig(max_turns=10, max_body_chars=4000, search_results=10)
+    same = Episode(max_turns=10, max_body_chars=4000, search_results=10)
     with caplog.at_level(logging.WARNING, logger="email_agent"):
         assert len(teacher_trajectories(tmp_path, demo_db, same)) == 1
     assert not caplog.records
     with caplog.at_level(logging.WARNING, logger="email_agent"):
-        assert len(teacher_trajectories(tmp_path, demo_db, RolloutConfig(max_turns=4, max_body_chars=600,
+        assert len(teacher_trajectories(tmp_path, demo_db, Episode(max_turns=4, max_body_chars=600,
                                                                          search_results=3))) == 1
     [warning] = caplog.records
     assert ("the teacher played max_turns 10, max_body_chars 4000, search_results 10, this run trains with "
@@ -146,13 +147,13 @@ def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, c
 
 def test_bad_sources_are_clear_errors(demo_db, tmp_path):
     with pytest.raises(DataError, match="expected 'expert'"):
-        sft_source("no-such-thing", demo_db, [], RolloutConfig())
+        sft_source("no-such-thing", demo_db, [], Episode())
     for name in ("expert", "demo-expert"):  # the expert's names pass the checks made before anything loads
         check(TrainConfig(sft_from=name, sft_only=True))
     with pytest.raises(DataError, match="expected 'expert' or an evaluation folder"):
         check(TrainConfig(sft_from="experts", sft_only=True))
     with pytest.raises(DataError, match="results.jsonl"):
-        asyncio.run(sft_source(str(tmp_path), demo_db, [], RolloutConfig()))
+        asyncio.run(sft_source(str(tmp_path), demo_db, [], Episode()))
 
 
 @pytest.mark.slow
@@ -167,7 +168,7 @@ def test_tiny_warm_start_raises_expert_logprobs_and_teaches_smollm2_to_call_a_to
     from email_agent.agent.rollout import Policy, rollout
     from email_agent.agent.tools import TOOLS
 
-    config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
+    config = Episode(max_turns=4, max_body_chars=600, search_results=3)
     train = qmod.select_questions(demo_db, "train", seed=0)
     expert = asyncio.run(expert_trajectories(demo_db, train[:12], config))[:8]
 
@@ -180,8 +181,8 @@ def test_tiny_warm_start_raises_expert_logprobs_and_teaches_smollm2_to_call_a_to
             # 3 epochs x 4 batches of 2: 12 optimizer steps. A batch's loss is measured before its update,
             # so the first epoch's first batch is the untrained model and the last epoch's is the trained one.
             epochs = [[m async for m in backend._train_sft(model, expert, sft, {})] for _ in range(3)]
-            policy = Policy.for_model(model, temperature=0.0, max_tokens=64)
-            one_turn = RolloutConfig(max_turns=1, max_body_chars=600, search_results=3)
+            policy = Policy.for_model(model, temperature=0.0)
+            one_turn = Episode(max_turns=1, max_tokens=64, max_body_chars=600, search_results=3)
             return epochs, [await rollout(policy, q, demo_db, one_turn) for q in train[:4]]
         finally:
             await backend.close()

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT
 from email_agent import backends, config, runs
+from email_agent.agent.episode import Episode
 from email_agent.training import warm_start
 from email_agent.backends.vllm_server import URL_ENV
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
@@ -311,8 +312,6 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
 
 
 def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
-    from email_agent.agent.episode import EpisodeShape
-
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
                                                              "--max-turns", "5"]))
     runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
@@ -320,10 +319,10 @@ def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
     assert saved["db"] == str(Path(cli.DEMO_DB).resolve())  # found again from any folder
     assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
     run = runs.find_run("demo", str(tmp_path))
-    assert run.shape == EpisodeShape(5, 64, 600, 3) and run.backend == "cpu"
+    assert run.shape == Episode(5, 64, 600, 3) and run.backend == "cpu"
     # A run saved before the "episode" entry existed: its top-level flags say the same.
-    assert EpisodeShape.from_run_config({k: v for k, v in saved.items() if k != "episode"}) == run.shape
-    assert EpisodeShape.from_run_config({}) == EpisodeShape()
+    assert Episode.from_run_config({k: v for k, v in saved.items() if k != "episode"}) == run.shape
+    assert Episode.from_run_config({}) == Episode()
 
 
 def test_the_opening_summary_says_what_the_run_will_do():
@@ -433,13 +432,12 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, capl
     from email_agent.data import questions
 
     caplog.set_level(logging.INFO, logger="email_agent")
-    from email_agent.agent.rollout import RolloutConfig
 
     cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=6, sft_epochs=3, sft_learning_rate=1e-3,
                           sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
-    rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
+    episode = Episode(max_turns=4, max_body_chars=600, search_results=3)
+    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], episode))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
         asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
@@ -456,13 +454,12 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, capl
 
 def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stopped(demo_db):
     from email_agent.data import questions
-    from email_agent.agent.rollout import RolloutConfig
 
     cfg = cli.TrainConfig(sft_from="demo-expert", sft_limit=10, sft_epochs=2, sft_batch_size=2,
                           sft_learning_rate=1e-3, sft_schedule="linear")
     train = questions.select_questions(demo_db, "train", seed=0)[:30]
-    rollout_config = RolloutConfig(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], rollout_config))
+    episode = Episode(max_turns=4, max_body_chars=600, search_results=3)
+    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], episode))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
     asyncio.run(warm_start.warm_start(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]

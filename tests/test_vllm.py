@@ -39,7 +39,8 @@ from email_agent.data import questions as qmod
 from email_agent.backends import vllm_server
 from email_agent.backends.cpu import CPUBackend
 from email_agent.errors import DataError
-from email_agent.agent.rollout import Policy, RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, rollout
 from email_agent.training.warm_start import expert_trajectories
 
 from train_email_search_agent import TrainConfig
@@ -122,7 +123,7 @@ class Recording:
 def test_a_lora_served_by_vllm_trains_on_exactly_what_vllm_rendered_and_sampled(demo_db, tmp_path):
     questions = qmod.select_questions(demo_db, "train", seed=0)[:2]
     episodes = asyncio.run(expert_trajectories(demo_db, qmod.select_questions(demo_db, "train", seed=1)[:6],
-                                               RolloutConfig(max_turns=4)))
+                                               Episode(max_turns=4)))
 
     async def go():
         async with CPUBackend(path=str(tmp_path)) as backend:  # a warm start by the CPU trainer: step 1
@@ -141,9 +142,9 @@ def test_a_lora_served_by_vllm_trains_on_exactly_what_vllm_rendered_and_sampled(
                                           chat_template=tokenizer.chat_template, log_path=tmp_path / "vllm.log",
                                           loras={f"warm@{step}": str(checkpoint)}) as server:
             client = Recording(AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0))
-            policy = Policy(client, f"warm@{step}", temperature=0.5, max_tokens=64)
-            groups = [art.TrajectoryGroup(await asyncio.gather(*(rollout(policy, q, demo_db, RolloutConfig(
-                max_turns=4)) for _ in range(3)))) for q in questions]
+            policy = Policy(client, f"warm@{step}", temperature=0.5)
+            groups = [art.TrajectoryGroup(await asyncio.gather(*(rollout(policy, q, demo_db, Episode(
+                max_turns=4, max_tokens=64)) for _ in range(3)))) for q in questions]
         return tokenizer, groups, client.served, form
 
     tokenizer, groups, served, form = asyncio.run(go())

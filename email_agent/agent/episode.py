@@ -1,35 +1,59 @@
-"""The shape of one episode: how many turns, how long a reply, how much of an email, how many results.
+"""One episode: its shape (how many turns, how long a reply, how much of an email, how many results) and how
+it is scored (the reward mode, the judge, what a wrong answer costs, the grounding check).
 
-One place for these defaults. Training saves the shape with the run (`run_config.json`, key "episode"),
-and evaluation and `ask` play a trained run with the shape it was trained on unless flags say otherwise:
-a model trained on 4-turn, 64-token episodes is not judged on 10-turn, 1,024-token ones by accident.
-Kept free of heavy imports so both command lines can use it at start-up.
+The one owner of both: training, the warm start, evaluation, `ask` and `serve` each hold an `Episode` and hand
+it to `rollout`. Training saves the shape with the run (`run_config.json`, key "episode"), and evaluation and
+`ask` play a trained run with the shape it was trained on unless flags say otherwise: a model trained on
+4-turn, 64-token episodes is not judged on 10-turn, 1,024-token ones by accident; the scoring is the
+evaluation's own. Kept free of heavy imports so both command lines can use it at start-up.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from email_agent.agent.tools import DEFAULT_MAX_BODY_CHARS, DEFAULT_SEARCH_RESULTS
 
+if TYPE_CHECKING:  # for the annotation only: rewards imports the judge's retry machinery
+    from email_agent.agent.rewards import LLMJudge
+
+SHAPE = ("max_turns", "max_tokens", "max_body_chars", "search_results")  # what a run saves and a report shows
+PROMPT_SHAPE = ("max_turns", "max_body_chars", "search_results")  # what changes the prompt and the tool replies
+
 
 @dataclass(frozen=True)
-class EpisodeShape:
+class Episode:
+    # the shape
     max_turns: int = 10  # agent turns per question
     max_tokens: int = 1024  # tokens per model reply
     max_body_chars: int = DEFAULT_MAX_BODY_CHARS  # read_email cuts longer bodies
     search_results: int = DEFAULT_SEARCH_RESULTS  # results per search when the model does not ask for a number
+    # the scoring
+    reward: str = "offline"  # see rewards.REWARD_MODES
+    judge: LLMJudge | None = None
+    hallucination_penalty: float = 1.0  # what a wrong answer costs in the shaped reward (rewards.shaped_reward)
+    grounded_answers: bool = False  # withhold answers naming what the agent never saw (`rollout.withhold_ungrounded`)
 
-    def override(self, **given) -> "EpisodeShape":
-        """This shape with the given fields replaced; None means "not given"."""
+    def shape(self) -> dict:
+        """The shape's fields by name: what run_config.json saves and the evaluation records."""
+        return {name: getattr(self, name) for name in SHAPE}
+
+    def override(self, **given) -> Episode:
+        """This episode with the given fields replaced; None means "not given"."""
         return replace(self, **{k: v for k, v in given.items() if v is not None})
 
+    def scored(self, other: Episode) -> Episode:
+        """This episode's shape, scored as `other` is."""
+        return replace(other, **self.shape())
+
     @classmethod
-    def from_run_config(cls, config: dict) -> "EpisodeShape":
+    def from_run_config(cls, config: dict) -> Episode:
         """The shape a run was trained with: its "episode" entry, else (older runs) its top-level flags."""
         saved = config.get("episode") or config
-        return cls(**{f.name: saved[f.name] for f in fields(cls) if saved.get(f.name) is not None})
+        return cls(**{name: saved[name] for name in SHAPE if saved.get(name) is not None})
 
     def describe(self) -> str:
         return (f"{self.max_turns} turns, {self.max_tokens} tokens/reply, {self.max_body_chars} body chars, "
                 f"{self.search_results} results/search")
+

@@ -25,7 +25,8 @@ from openai.types.chat import ChatCompletion
 from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, day_after
 from email_agent.data.questions import Question
 from email_agent.agent.rewards import normalize_answer
-from email_agent.agent.rollout import RolloutConfig, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import rollout
 
 STOPWORDS = set("""a about after all am an and any are as at be been before being but by can could did do does
 for from had has have how i if in into is it its me my of on or our should so than that the their them then
@@ -180,7 +181,7 @@ class ExpertPolicy:
         self.max_turns = max_turns
         self.rarest_first = rarest_first
 
-    async def complete(self, messages: list[dict]) -> tuple[ChatCompletion, float]:
+    async def complete(self, messages: list[dict], max_tokens: int) -> tuple[ChatCompletion, float]:
         return self._reply(messages), 0.0  # no model: no time spent
 
     def search_plan(self, question: str, inbox: str, today: str) -> list[dict]:
@@ -242,7 +243,7 @@ class ExpertPolicy:
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}})
 
 
-async def expert_episodes(db: EmailDB, questions: list[Question], config: RolloutConfig,
+async def expert_episodes(db: EmailDB, questions: list[Question], config: Episode,
                           rarest_first: bool = True) -> list[art.Trajectory]:
     """The expert's episode on each question, in order."""
     policy = ExpertPolicy(questions, db, max_turns=config.max_turns, rarest_first=rarest_first)

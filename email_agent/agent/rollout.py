@@ -22,7 +22,7 @@ from openai.types.chat import ChatCompletion
 
 from email_agent.agent import rewards
 from email_agent.data.email_db import EmailDB
-from email_agent.agent.episode import EpisodeShape
+from email_agent.agent.episode import Episode
 from email_agent.data.questions import Question
 from email_agent.redact import redact
 from email_agent.agent.rewards import Rubric
@@ -50,7 +50,6 @@ class Policy:
     client: AsyncOpenAI
     model: str
     temperature: float | None = 1.0  # None: the server's default (o-series models accept no other)
-    max_tokens: int = EpisodeShape.max_tokens
     logprobs: bool = True  # what ART trains on; prompted OpenAI reasoning models reject it
     tool_choice: str | None = None  # e.g. "required" for prompted models; trainable ones learn to call tools
     max_concurrency: int = 16
@@ -63,14 +62,14 @@ class Policy:
                              timeout=kwargs.pop("timeout", 300.0), max_retries=kwargs.pop("max_retries", 2))
         return cls(client, model.get_inference_name(), **kwargs)
 
-    async def complete(self, messages: list[dict]) -> tuple[ChatCompletion, float]:
-        """The reply, and the seconds from sending the request to the reply. At most `max_concurrency`
-        requests are in flight; time spent waiting for one of those slots is not counted (it measures how
-        many episodes were started at once, not the model)."""
+    async def complete(self, messages: list[dict], max_tokens: int) -> tuple[ChatCompletion, float]:
+        """The reply (at most `max_tokens` long), and the seconds from sending the request to the reply. At most
+        `max_concurrency` requests are in flight; time spent waiting for one of those slots is not counted (it
+        measures how many episodes were started at once, not the model)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_concurrency)
         request = {"model": self.model, "messages": messages, "tools": TOOLS,
-                   "max_completion_tokens": self.max_tokens}
+                   "max_completion_tokens": max_tokens}
         if self.temperature is not None:
             request["temperature"] = self.temperature
         if self.logprobs:
@@ -81,23 +80,6 @@ class Policy:
             started = time.perf_counter()
             response = await self.client.chat.completions.create(**request)
             return response, time.perf_counter() - started
-
-
-@dataclass
-class RolloutConfig:
-    max_turns: int = EpisodeShape.max_turns
-    max_body_chars: int = EpisodeShape.max_body_chars  # read_email cuts longer bodies (the CPU preset uses less)
-    search_results: int = EpisodeShape.search_results  # results per search when the model does not ask for a number
-    reward: str = "offline"  # see rewards.REWARD_MODES
-    judge: rewards.LLMJudge | None = None
-    hallucination_penalty: float = 1.0  # what a wrong answer costs in the shaped reward (rewards.shaped_reward)
-    grounded_answers: bool = False  # withhold answers naming what the agent never saw (`withhold_ungrounded`)
-
-    @classmethod
-    def for_shape(cls, shape: EpisodeShape, **kwargs) -> "RolloutConfig":
-        """The environment's half of an episode shape (the policy's half is `max_tokens`)."""
-        return cls(max_turns=shape.max_turns, max_body_chars=shape.max_body_chars,
-                   search_results=shape.search_results, **kwargs)
 
 
 # Called as each turn's action is handled: (tool name, arguments as sent, outcome); for a reply without a
@@ -120,23 +102,23 @@ def assistant_message(choice) -> dict:
 IN_FLIGHT: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 
 
-async def rollout(policy: Policy, question: Question, db: EmailDB, config: RolloutConfig,
+async def rollout(policy: Policy, question: Question, db: EmailDB, episode: Episode,
                   on_call: OnCall | None = None) -> art.Trajectory:
     IN_FLIGHT.add(asyncio.current_task())
-    inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=config.max_body_chars,
-                  default_max_results=config.search_results)
+    inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=episode.max_body_chars,
+                  default_max_results=episode.search_results)
     gold = set(question.message_ids)
     rubric = Rubric()
-    system = SYSTEM_PROMPT.format(inbox=question.inbox_address, today=question.query_date, max_turns=config.max_turns)
+    system = SYSTEM_PROMPT.format(inbox=question.inbox_address, today=question.query_date, max_turns=episode.max_turns)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question.question}]
     traj = art.Trajectory(messages_and_choices=list(messages), tools=TOOLS, reward=0.0,
                           metadata={"question_id": question.id, "inbox": question.inbox_address,
                                     "split": question.split, "policy": policy.model})
     answer, sources, error = None, [], None
 
-    while answer is None and rubric.num_turns < config.max_turns:
+    while answer is None and rubric.num_turns < episode.max_turns:
         try:
-            response, seconds = await policy.complete(messages)
+            response, seconds = await policy.complete(messages, episode.max_tokens)
         except openai.APIError as exc:  # after the client's own retries: timeouts, 4xx/5xx, refused connections
             rubric.api_errors += 1
             error = f"policy API error: {type(exc).__name__}: {redact(str(exc)[:300])}"
@@ -185,11 +167,11 @@ async def rollout(policy: Policy, question: Question, db: EmailDB, config: Rollo
             traj.messages_and_choices.append(messages[-1])
         rubric.env_s += time.perf_counter() - env_started
 
-    if answer is None and error is None and rubric.num_turns >= config.max_turns:
+    if answer is None and error is None and rubric.num_turns >= episode.max_turns:
         rubric.ran_out_of_turns = 1
-    answer, sources, withheld = withhold_ungrounded(answer, sources, messages, config)
-    verdict = await grade(rubric, question, answer, sources, config, withheld)
-    traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources), config.hallucination_penalty)
+    answer, sources, withheld = withhold_ungrounded(answer, sources, messages, episode)
+    verdict = await grade(rubric, question, answer, sources, episode, withheld)
+    traj.reward = rewards.reward(episode.reward, rubric, episode.max_turns, len(sources), episode.hallucination_penalty)
     traj.metrics = asdict(rubric)
     traj.metadata.update({"answer": answer, "sources": json.dumps(sources), "error": error,
                           "withheld": json.dumps(withheld) if withheld else None})
@@ -204,23 +186,23 @@ def record_verdict(traj: art.Trajectory, verdict: rewards.Verdict | None) -> Non
                           rewards.VERDICT_TRANSIENT: verdict.transient if verdict and verdict.error else None})
 
 
-async def regrade(group: art.TrajectoryGroup, questions: dict, config: RolloutConfig) -> art.TrajectoryGroup:
+async def regrade(group: art.TrajectoryGroup, questions: dict, episode: Episode) -> art.TrajectoryGroup:
     """Grade again the episodes of `group` the judge failed on (`questions`: by id)."""
     for traj in group.trajectories:
         if traj.metadata.get(rewards.VERDICT_ERROR):
-            await regrade_episode(traj, questions[traj.metadata["question_id"]], config)
+            await regrade_episode(traj, questions[traj.metadata["question_id"]], episode)
     return group
 
 
-async def regrade_episode(traj: art.Trajectory, question: Question, config: RolloutConfig) -> art.Trajectory:
+async def regrade_episode(traj: art.Trajectory, question: Question, episode: Episode) -> art.Trajectory:
     """Grade a finished episode again (its judge failed the first time): the rubric's outcome and the reward."""
     fields = Rubric.__dataclass_fields__
     # `grade` writes again every outcome field the same answer reached the first time; the rest is the episode's
     rubric = Rubric(**{k: v for k, v in traj.metrics.items() if k in fields})
     sources = json.loads(traj.metadata.get("sources") or "[]")
     withheld = json.loads(traj.metadata["withheld"]) if traj.metadata.get("withheld") else None
-    verdict = await grade(rubric, question, traj.metadata.get("answer"), sources, config, withheld)
-    traj.reward = rewards.reward(config.reward, rubric, config.max_turns, len(sources), config.hallucination_penalty)
+    verdict = await grade(rubric, question, traj.metadata.get("answer"), sources, episode, withheld)
+    traj.reward = rewards.reward(episode.reward, rubric, episode.max_turns, len(sources), episode.hallucination_penalty)
     traj.metrics.update(asdict(rubric))
     record_verdict(traj, verdict)
     return traj
@@ -244,15 +226,15 @@ def record_outcome(rubric: Rubric, outcome: ToolOutcome, gold: set[str]) -> None
                 rubric.ever_read_right_email = 1
 
 
-def withhold_ungrounded(answer: str | None, sources: list[str], messages: list[dict], config: RolloutConfig
+def withhold_ungrounded(answer: str | None, sources: list[str], messages: list[dict], episode: Episode
                         ) -> tuple[str | None, list[str], dict | None]:
-    """With `config.grounded_answers`, an answer that names something (a word with a capital or a digit) found
+    """With `episode.grounded_answers`, an answer that names something (a word with a capital or a digit) found
     in no tool reply and not in the question stands as "I don't know": (answer, sources, what was withheld).
 
     It is the agent's last line against inventing: a code with a dropped character, a name no email holds.
     What the agent said is kept in the third element, and graded, so a report can say what the check cost.
     """
-    if not config.grounded_answers or answer is None or rewards.is_i_dont_know(answer):
+    if not episode.grounded_answers or answer is None or rewards.is_i_dont_know(answer):
         return answer, sources, None
     unseen = rewards.ungrounded_terms(answer, messages)
     if not unseen:
@@ -261,7 +243,7 @@ def withhold_ungrounded(answer: str | None, sources: list[str], messages: list[d
 
 
 async def grade(rubric: Rubric, question: Question, answer: str | None, sources: list[str],
-                config: RolloutConfig, withheld: dict | None = None) -> rewards.Verdict | None:
+                episode: Episode, withheld: dict | None = None) -> rewards.Verdict | None:
     """Fill in the outcome fields of the rubric; returns the verdict (None when there was no answer, or no
     gold answer to grade against: a question asked with `ask`). `withheld`: what `withhold_ungrounded` kept
     back (the answer given is then "I don't know"); it is graded too, into `withheld_right`."""
@@ -269,7 +251,7 @@ async def grade(rubric: Rubric, question: Question, answer: str | None, sources:
     if answer is None or not question.answer:
         return None
     if withheld is not None:
-        cost = await answer_verdict(question, withheld["answer"], config)
+        cost = await answer_verdict(question, withheld["answer"], episode)
         rubric.withheld_right, rubric.judge_error = int(cost.correct), int(cost.error is not None)
     rubric.sources_correct = int(bool(sources) and set(question.message_ids) <= set(sources))
     if rewards.is_i_dont_know(answer):
@@ -279,15 +261,15 @@ async def grade(rubric: Rubric, question: Question, answer: str | None, sources:
                                                   f"the agent saw")
         return rewards.Verdict(False, "rule", "answered I don't know")
     rubric.attempted_answer = 1
-    verdict = await answer_verdict(question, answer, config)
+    verdict = await answer_verdict(question, answer, episode)
     rubric.judge_error = int(verdict.error is not None)
     rubric.answer_correct = int(verdict.correct)
     rubric.hallucinated = int(not verdict.correct)
     return verdict
 
 
-async def answer_verdict(question: Question, answer: str, config: RolloutConfig) -> rewards.Verdict:
+async def answer_verdict(question: Question, answer: str, episode: Episode) -> rewards.Verdict:
     """The judge's verdict on an answer other than "I don't know", or the offline matcher's without a judge."""
-    if config.judge is not None:
-        return await config.judge.verdict(question.question, question.answer, answer)
+    if episode.judge is not None:
+        return await episode.judge.verdict(question.question, question.answer, answer)
     return rewards.offline_verdict(answer, question.answer, question.question)

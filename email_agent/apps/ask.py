@@ -82,7 +82,8 @@ async def ask(spec: str, question: Question, db: EmailDB, options: players.Optio
 async def answer_question(contestant: players.Contestant, question: Question, db: EmailDB,
                           grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
     """One rollout of an open contestant (served once, asked many times by `serve`), in its episode shape."""
-    from email_agent.agent.rollout import RolloutConfig, rollout
+    from email_agent.agent.episode import Episode
+    from email_agent.agent.rollout import rollout
 
     calls: list[dict] = []
 
@@ -92,7 +93,7 @@ async def answer_question(contestant: players.Contestant, question: Question, db
         if on_call:
             on_call(name, arguments, outcome)
 
-    config = contestant.rollout_config(RolloutConfig(grounded_answers=grounded_answers))
+    config = contestant.episode(Episode(grounded_answers=grounded_answers))
     traj = await rollout(contestant.policy, question, db, config, on_call=record)
     if traj.metadata.get("error"):
         raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")

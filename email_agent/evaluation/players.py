@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import weakref
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +26,7 @@ from email_agent.agent import rewards
 from email_agent.runs import ART_DIR
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import DataError
-from email_agent.agent.episode import EpisodeShape
+from email_agent.agent.episode import Episode
 from email_agent.data.questions import Question
 from email_agent.redact import redact
 from email_agent.runs import Run, find_run, is_step
@@ -59,7 +59,7 @@ class Options:
 class Contestant:
     label: str
     policy: object  # rollout.Policy
-    shape: EpisodeShape
+    shape: Episode
     backend: str  # cpu | local | serverless | tinker | api (a prompted model)
     price_model: str | None = None  # litellm name to price tokens with
     history: Path | None = None  # a trained run's history.jsonl, for the learning curve
@@ -69,10 +69,10 @@ class Contestant:
     def tool_choice(self) -> str:
         return self.policy.tool_choice or "auto"
 
-    def rollout_config(self, scoring):
-        """`scoring` (a RolloutConfig carrying the reward mode and judge) in this contestant's episode shape."""
-        return replace(scoring, max_turns=self.shape.max_turns, max_body_chars=self.shape.max_body_chars,
-                       search_results=self.shape.search_results)
+    def episode(self, scoring: Episode) -> Episode:
+        """The episode this contestant plays: its own shape, scored as `scoring` says (the evaluation's reward
+        mode, judge and grounding check)."""
+        return self.shape.scored(scoring)
 
 
 def check_flags(args) -> None:
@@ -171,7 +171,7 @@ class Schedule:
 
 
 async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncExitStack,
-                          default_shape: EpisodeShape | None = None) -> Contestant:
+                          default_shape: Episode | None = None) -> Contestant:
     """A --model value -> a Contestant (servers it starts are closed by `stack`).
 
     A run plays the episode shape it was trained with; `base` and prompted models play `default_shape`
@@ -199,14 +199,14 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
                                              f"{run.name}@{others[-1]})." if others else "")) from None
         else:
             client, label, served = await serve_with_art(run, step, stack, options.timeout)
-        policy = Policy(client, label if run.backend == "cpu" else served, max_tokens=shape.max_tokens, **common)
+        policy = Policy(client, label if run.backend == "cpu" else served, **common)
         return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl",
                           step=int(label.rpartition("@")[2]))
 
-    shape = (default_shape or EpisodeShape()).override(**options.shape)
+    shape = (default_shape or Episode()).override(**options.shape)
     if name == "base":  # check_specs refused base@N
         client, label = await serve_on_cpu(options.base_model, None, None, options, stack)
-        return Contestant(label, Policy(client, label, max_tokens=shape.max_tokens, **common), shape, "cpu")
+        return Contestant(label, Policy(client, label, **common), shape, "cpu")
 
     provider, _, model = name.partition("/")
     if not model:
@@ -222,7 +222,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
     reasoning = provider == "openai" and model.startswith(("o1", "o3", "o4", "gpt-5"))
     client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=options.timeout, max_retries=3)
     # Prompted models are told they must call a tool (as ART·E's baselines were); trained ones learned to.
-    policy = Policy(client, served, logprobs=False, tool_choice="required", max_tokens=shape.max_tokens,
+    policy = Policy(client, served, logprobs=False, tool_choice="required",
                     **{**common, "temperature": None if reasoning else options.temperature})
     return Contestant(spec, policy, shape, "api", price_model=name)
 
@@ -447,7 +447,7 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
             "withheld": json.loads(meta["withheld"]) if meta.get("withheld") else None,
             "grounded_answers": config.grounded_answers,
             "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
-            "episode": asdict(contestant.shape), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
+            "episode": contestant.shape.shape(), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
             "concurrency": contestant.policy.max_concurrency,
             "metrics": dict(m),
             "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
@@ -509,17 +509,17 @@ async def rejudge_record(record: dict, config) -> dict:
 
 def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str,
                    grounded_answers: bool = False):
-    """A RolloutConfig carrying how answers are graded and whether ungrounded ones are withheld (each
+    """A Episode carrying how answers are graded and whether ungrounded ones are withheld (each
     contestant adds its episode shape)."""
-    from email_agent.agent.rollout import RolloutConfig
+    from email_agent.agent.episode import Episode
 
     mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"
-    return RolloutConfig(reward=mode, judge=judge, grounded_answers=grounded_answers)
+    return Episode(reward=mode, judge=judge, grounded_answers=grounded_answers)
 
 
-def shared_run_shape(specs: list[str], art_dir: str) -> EpisodeShape | None:
+def shared_run_shape(specs: list[str], art_dir: str) -> Episode | None:
     """The episode shape of the trained runs among `specs` if they all share one: `base` and prompted models
     then play that shape too, so a comparison with a trained run is like for like."""
     shapes = {run.shape for spec in specs if (run := find_run(spec.partition("@")[0], art_dir)) is not None}

@@ -17,8 +17,8 @@ import art
 
 from email_agent import backends, config, runs
 from email_agent.agent import rewards
-from email_agent.agent.episode import EpisodeShape
-from email_agent.agent.rollout import Policy, RolloutConfig, regrade, rollout
+from email_agent.agent.episode import Episode
+from email_agent.agent.rollout import Policy, regrade, rollout
 from email_agent.config import DEMO_DB, TrainConfig, check, run_dir, saved_config
 from email_agent.data import build
 from email_agent.data.email_db import EmailDB
@@ -35,7 +35,7 @@ class Plan:
     val_questions: list[Question]
     train_questions: list[Question]  # the warm start's
     rl_questions: list[Question]  # GRPO's: the train questions, with any unanswerable replays
-    episode: RolloutConfig  # the episode's shape and how it is scored (reward mode, judge, penalty)
+    episode: Episode  # the episode's shape and how it is scored (reward mode, judge, penalty)
     judge: rewards.LLMJudge | None
     ruler_model: str
     ruler_params: dict
@@ -68,8 +68,7 @@ class Plan:
 
     def policy(self, model: art.TrainableModel) -> Policy:
         cfg = self.config
-        return Policy.for_model(model, temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                max_concurrency=cfg.concurrency)
+        return Policy.for_model(model, temperature=cfg.temperature, max_concurrency=cfg.concurrency)
 
 
 def build_demo_inbox(db_path: str) -> None:
@@ -111,8 +110,8 @@ async def resolve(cfg: TrainConfig) -> Plan:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise DataError("--reward ruler needs --ruler-model or --judge-model.")
-    episode = RolloutConfig.for_shape(EpisodeShape.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge,
-                                      hallucination_penalty=cfg.hallucination_penalty)
+    episode = replace(Episode.from_run_config(asdict(cfg)), reward=reward_mode, judge=judge,
+                      hallucination_penalty=cfg.hallucination_penalty)
     if backends.hide_wandb_key(backend, cfg.wandb):
         say("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run")
     # The run's state and the warm start's episodes are checked before the run is saved and the model loads

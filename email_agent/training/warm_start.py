@@ -31,7 +31,8 @@ from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.expert import Ceiling, ExpertPolicy
 from email_agent.data.questions import Question, withheld
-from email_agent.agent.rollout import RolloutConfig, rollout
+from email_agent.agent.episode import PROMPT_SHAPE, Episode
+from email_agent.agent.rollout import rollout
 from email_agent.evaluation.scores import read_results
 from email_agent.agent.tools import TOOLS
 
@@ -49,7 +50,7 @@ def abstained(traj: art.Trajectory) -> bool:
                 and not (m["bad_tool_args"] or m["bad_tool_name"] or m["parse_errors"]))
 
 
-async def expert_trajectories(db: EmailDB, questions: list[Question], config: RolloutConfig,
+async def expert_trajectories(db: EmailDB, questions: list[Question], config: Episode,
                               abstain_share: float = 0.25, seed: int = 0, rarest_first: bool = True
                               ) -> list[art.Trajectory]:
     """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
@@ -81,10 +82,7 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ro
     return mixed
 
 
-SHAPE_KEYS = ("max_turns", "max_body_chars", "search_results")  # what changes the prompt and the tool replies
-
-
-def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig | None = None,
+def teacher_trajectories(folder: str | Path, db: EmailDB, config: Episode | None = None,
                          held_out: list[Question] = ()) -> list[art.Trajectory]:
     """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl, never of the test
     split nor of the `held_out` questions (those training validates on).
@@ -105,7 +103,7 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig 
     trajs, shapes, skipped = [], set(), 0
     for record in records:
         episode = record.get("episode") or {}
-        shapes.add(tuple(episode.get(key) for key in SHAPE_KEYS))
+        shapes.add(tuple(episode.get(key) for key in PROMPT_SHAPE))
         m = record.get("metrics") or {}
         if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct")
                                                                               and m.get("sources_correct")):
@@ -121,14 +119,14 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: RolloutConfig 
         logger.info("--sft-from %s: %d episode(s) of the questions this run validates on left out of the warm "
                     "start", folder, skipped)
     if config is not None:
-        wanted = tuple(getattr(config, key) for key in SHAPE_KEYS)
+        wanted = tuple(getattr(config, key) for key in PROMPT_SHAPE)
         other = sorted({shape for shape in shapes if None not in shape and shape != wanted})
         if other:
-            played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(SHAPE_KEYS, shape)) for shape in other)
+            played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, shape)) for shape in other)
             logger.warning("--sft-from %s: the teacher played %s, this run trains with %s: evaluate the teacher "
                            "with the same --max-turns, --max-body-chars and --search-results as `train`, or the "
                            "warm start teaches from prompts and tool replies the agent will not see", folder, played,
-                           ", ".join(f"{k} {v}" for k, v in zip(SHAPE_KEYS, wanted)))
+                           ", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, wanted)))
     return trajs
 
 
@@ -144,7 +142,7 @@ def strip_to_chat(message: dict) -> dict:
     return keep
 
 
-def sft_source(source: str, db: EmailDB, questions: list[Question], config: RolloutConfig,
+def sft_source(source: str, db: EmailDB, questions: list[Question], config: Episode,
                held_out: list[Question] = ()):
     """`--sft-from` -> an awaitable of trajectories: the expert plays `questions`; a teacher's episodes are
     whatever it played, less the `held_out` questions."""
@@ -157,10 +155,10 @@ def sft_source(source: str, db: EmailDB, questions: list[Question], config: Roll
     raise DataError(f"--sft-from {source!r}: expected 'expert' or an evaluation folder with results.jsonl")
 
 
-async def warm_start_episodes(cfg, db, train_questions, val_questions, rollout_config) -> list:
+async def warm_start_episodes(cfg, db, train_questions, val_questions, episode) -> list:
     """The trajectories the warm start imitates: the expert's on the train questions, or a teacher's
     judged-correct ones (none of the validation questions: the curve would score what it imitated)."""
-    trajectories = await sft_source(cfg.sft_from, db, train_questions, rollout_config, held_out=val_questions)
+    trajectories = await sft_source(cfg.sft_from, db, train_questions, episode, held_out=val_questions)
     if cfg.sft_limit:
         trajectories = trajectories[:cfg.sft_limit]
     if not trajectories:
