@@ -180,7 +180,7 @@ async def train(cfg: TrainConfig) -> None:
     new_run = not run_dir(cfg).exists()
     runs.start(run_dir(cfg), saved_config(cfg, plan.backend), fresh=cfg.fresh, preflight=cfg.preflight)
     model = plan.trainable_model()
-    print("\n".join(plan.summary()), file=sys.stderr)
+    print("\n".join(plan.opening_lines()), file=sys.stderr)
     try:
         await model.register(backend)
         policy = plan.policy(model)

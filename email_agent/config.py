@@ -187,7 +187,7 @@ def check(cfg: TrainConfig) -> None:
                         "(an output folder of test_email_search_agent.py)")
 
 
-def summary(cfg: TrainConfig, backend: str, train: int, unanswerable: int, val: int, steps: int,
+def opening_lines(cfg: TrainConfig, backend: str, train: int, unanswerable: int, val: int, steps: int,
             reward: str, warm_start_done: bool = False) -> list[str]:
     """What a run is about to do, for a person, at its start (every setting is in run_config.json)."""
     replays = f" (+{unanswerable} asked before their answer arrived)" if unanswerable else ""

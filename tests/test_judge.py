@@ -112,7 +112,7 @@ def test_a_cache_line_that_does_not_parse_loses_only_itself(tmp_path):
 
 
 def test_judge_failures_are_transient_or_not():
-    """What decides whether a training step waits for the judge (judging.settle) or stops at once."""
+    """What decides whether a training step waits for the judge (judge_outages.settle) or stops at once."""
     class Status(Exception):
         def __init__(self, status):
             self.status_code = status

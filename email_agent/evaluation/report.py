@@ -1,6 +1,6 @@
 """The evaluation's report: `write_report` writes the figures of `summary` as summary.json, report.md and one
 self-contained report.html (inline CSS, SVG and JS only, so it opens offline from disk): the comparison
-table, charts, outcomes, paired tests, the learning curve of each trained run (rows of `summary.load_history`) and
+table, charts, outcomes, paired tests, the learning curve of each trained run (rows of `scores.load_history`) and
 every episode's trace.
 
 Everything rendered is untrusted (email bodies, model output), so every string goes through ``_esc``, which

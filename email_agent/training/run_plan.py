@@ -52,9 +52,9 @@ class Plan:
     def warm_start_pending(self) -> bool:
         return bool(self.config.sft_from) and not self.state.get("sft_done")
 
-    def summary(self) -> list[str]:
+    def opening_lines(self) -> list[str]:
         """What the run is about to do, for a person, at its start."""
-        return config.summary(self.config, self.backend, len(self.train_questions),
+        return config.opening_lines(self.config, self.backend, len(self.train_questions),
                               len(self.rl_questions) - len(self.train_questions), len(self.val_questions),
                               self.steps, rewards.describe(self.episode.reward, self.judge, self.ruler_model,
                                                            self.ruler_params.get("api_base")),

@@ -207,13 +207,13 @@ class Warnings:
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
-class Verdict:
+class Diagnosis:
     ok: bool
     headline: str  # one plain sentence with the likely fix
     warnings: list[str] = field(default_factory=list)
 
 
-def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pending: bool = False) -> Verdict:
+def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pending: bool = False) -> Diagnosis:
     """Would training on groups like these learn? Every failing check is listed, the most fundamental first."""
     if warm_start_pending:
         warm = f"run the warm start first (the same command with --sft-only; --sft-from {sft_from} has not run yet)"
@@ -225,7 +225,7 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
                 "--sft-from EVAL_DIR with a teacher model's evaluation")
     judge_flags = "--ruler-model" if reward_mode == "ruler" else "--judge-model"
     if not h.rollouts:
-        return Verdict(False, "cannot learn: every rollout failed; check that the policy's server is up and the "
+        return Diagnosis(False, "cannot learn: every rollout failed; check that the policy's server is up and the "
                               "model name is right.")
     failures = []  # all are shown; the first is the headline
     if h.assistant_turns and h.turns_without_logprobs == 1.0:
@@ -265,11 +265,11 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
     if not failures and h.trainable_share < WARN_TRAINABLE_SHARE:
         warnings.append(f"only {h.trainable_share:.0%} of groups have reward variance; steps will learn slowly")
     if failures:
-        return Verdict(False, failures[0], failures[1:] + warnings)
-    return Verdict(True, f"can learn: {h.trainable_groups} of {h.groups} groups have reward variance.", warnings)
+        return Diagnosis(False, failures[0], failures[1:] + warnings)
+    return Diagnosis(True, f"can learn: {h.trainable_groups} of {h.groups} groups have reward variance.", warnings)
 
 
-def report(h: Health, verdict: Verdict, groups_per_step: int, rollouts_per_group: int, concurrency: int) -> list[str]:
+def report(h: Health, verdict: Diagnosis, groups_per_step: int, rollouts_per_group: int, concurrency: int) -> list[str]:
     """The preflight's numbers and warnings (the caller prints the verdict's headline)."""
     # Rollouts run `concurrency` at a time; the update itself comes on top and is not measured here.
     waves = math.ceil(groups_per_step * rollouts_per_group / max(concurrency, 1))
