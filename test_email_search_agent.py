@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
 from email_agent import cli, runs
 from email_agent.evaluation import players, report, scores
@@ -36,8 +38,8 @@ DEFAULT_DB, DEMO_DB = "data/enron_emails.db", "data/demo.db"
 
 
 async def evaluate(args) -> int:
-    from tqdm import tqdm
-
+    # here, not at the top: rollout imports ART (torch, seconds), which --help never needs; and tests patch
+    # email_agent.agent.rollout.rollout, looked up at each call
     from email_agent.agent.rollout import rollout
 
     scoring = players.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
@@ -70,6 +72,7 @@ async def evaluate(args) -> int:
         raise DataError(f"No answerable {args.split!r} questions in {args.db}; write some with "
                         f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
     if args.wandb:
+        # here, not at the top: tests patch tracing.traced_rollout, so it is looked up at each call
         from email_agent.tracing import traced_rollout
 
         rollout = traced_rollout(args.project, rollout, scoring.judge)

@@ -27,9 +27,11 @@ import time
 from dataclasses import asdict, replace
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
-from email_agent.apps import ask
+from email_agent.apps import ask, export, serve
 from email_agent.data import build, generate
-from email_agent import cli, runs
+from email_agent import backends, cli, runs
+from email_agent.agent.rewards import valid_tool_call_rate
+from email_agent.evaluation import players
 from email_agent.config import (DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir,
                                 saved_config)
 from email_agent.errors import DataError
@@ -57,6 +59,7 @@ def build_db(args) -> None:
 # ---- generate-questions: an LLM writes the question set for an inbox -----------------------------
 
 def generate_questions(args) -> None:
+    # here, not at the top: there this function's own name would replace the imported generate_questions
     from email_agent.data.generate import GenerateConfig, cache_path, generate_questions
 
     cfg = GenerateConfig(model=args.model, base_url=args.base_url, api_key=os.environ.get("QUESTIONS_API_KEY"),
@@ -95,8 +98,6 @@ def read(args) -> None:
 # ---- ask: one question to a trained agent, each tool call shown as it happens --------------------
 
 def ask_command(args) -> None:
-    from email_agent.evaluation import players
-
     for flag in ("max_turns", "max_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
@@ -115,14 +116,13 @@ def ask_command(args) -> None:
 # ---- serve: the trained agent and its tools as an MCP server --------------------------------------
 
 def serve_command(args) -> None:
-    from email_agent.apps import serve
-
     asyncio.run(serve.serve(serve.settings_from_args(args, DEFAULT_DB)))
 
 
 # ---- export: a checkpoint in the formats other runtimes load --------------------------------------
 
 def export_command(args) -> None:
+    # here, not at the top: there `export` is the module (for make_parser's export.add_arguments)
     from email_agent.apps.export import export
 
     folder = export(args.model, args.format, args.output, art_dir=args.art_dir, force=args.force,
@@ -134,9 +134,9 @@ def export_command(args) -> None:
 
 async def validate(model, policy, questions, db, episode, step: int) -> str:
     """Greedy episodes of the validation questions, logged as val/*; returns the line to print."""
+    # here, not at the top: ART (and rollout, which imports it) load torch in seconds; only train needs them
     import art
 
-    from email_agent.agent.rewards import valid_tool_call_rate
     from email_agent.agent.rollout import rollout
 
     greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
@@ -157,6 +157,7 @@ async def validate(model, policy, questions, db, episode, step: int) -> str:
 
 def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_start_pending: bool):
     """Print what a step's groups offer GRPO and the verdict; returns the verdict."""
+    # here, not at the top: step_health imports ART (torch, seconds); only train needs it
     from email_agent.training import step_health
 
     verdict = step_health.diagnose(health, reward_mode=reward_mode, sft_from=cfg.sft_from,
@@ -168,10 +169,9 @@ def say_whether_it_can_learn(cfg: TrainConfig, health, reward_mode: str, warm_st
 
 
 async def train(cfg: TrainConfig) -> None:
-    # ART, torch and the backends load here, not at the top: the other subcommands need none of them
+    # ART, torch and the training modules load here, not at the top: the other subcommands need none of them
     import art
 
-    from email_agent import backends
     from email_agent.training import run_plan, step_health, training_data
 
     plan = await run_plan.resolve(cfg)  # everything that can refuse the run, before anything is saved or loads
@@ -241,6 +241,7 @@ async def train(cfg: TrainConfig) -> None:
 
 async def preflight(plan, steps, batch, sft_steps: int) -> None:
     """--preflight: one step's groups gathered and judged, the verdict printed; DataError if GRPO cannot learn."""
+    # here, not at the top: step_health imports ART (torch, seconds); only train needs it
     from email_agent.training import step_health
 
     if batch is None:
@@ -257,6 +258,7 @@ async def preflight(plan, steps, batch, sft_steps: int) -> None:
 
 async def warm_start(plan, model, policy, arguments) -> int:
     """The warm start (SFT on the expert's or a teacher's episodes), then a validation; returns its last step."""
+    # here, not at the top: both import ART (torch, seconds); only train needs them
     from email_agent.training import training_data, warm_start as sft
 
     cfg = plan.config
@@ -272,6 +274,7 @@ async def warm_start(plan, model, policy, arguments) -> int:
 
 async def say_what_a_cpu_step_costs(plan, policy, max_batch_size: int) -> None:
     """GPU-scale steps on a CPU: one rollout timed, and what a step of them will cost, said before the first."""
+    # here, not at the top: step_health imports ART (torch, seconds); only train needs it
     from email_agent.training import step_health
 
     cfg = plan.config
@@ -362,8 +365,6 @@ def make_parser() -> argparse.ArgumentParser:
                             "(its own tools). The model is served once and shared by all requests. Example: "
                             "python train_email_search_agent.py serve --db data/demo.db --inbox "
                             "priya.natarajan@larkspur.example")
-    from email_agent.apps import serve  # here, beside its subparser
-
     serve.add_arguments(p, DEFAULT_DB)
 
     p = command("export", export_command, [console],
@@ -373,8 +374,6 @@ def make_parser() -> argparse.ArgumentParser:
                             "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
                             "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
                             "--format merged --output export/demo-merged")
-    from email_agent.apps import export  # here, beside its subparser
-
     export.add_arguments(p)
 
     p = command("train", train_command, [console], help="train the agent with GRPO (resumes a run of the same name)",

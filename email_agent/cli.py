@@ -7,13 +7,21 @@ first, so the library stays usable from a notebook or another program as it is.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import inspect
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import fields
+
+from email_agent.errors import DataError
+from email_agent.runs import storage_problem
 
 PLAIN_PROGRESS_S = 30  # seconds between progress lines when stderr is a file or a CI log
 
@@ -95,8 +103,6 @@ def stop_on_sigterm() -> None:
 def check_text_arguments(argv: list[str]) -> None:
     """An argument that is not UTF-8 (typed in a Latin-1 terminal, say) is one error, not a traceback where it is
     first written or sent (Python keeps such bytes as lone surrogates)."""
-    from email_agent.errors import DataError
-
     for arg in argv:
         try:
             arg.encode("utf-8")
@@ -108,10 +114,6 @@ def check_text_arguments(argv: list[str]) -> None:
 def add_dataclass_flags(parser, cls) -> None:
     """One flag per field of the dataclass `cls` (`--max-turns` for max_turns), each defaulting to None so that
     only flags given on the command line override; a field's comment in the source is its help text."""
-    import argparse
-    import inspect
-    from dataclasses import fields
-
     comments = {}
     for line in inspect.getsource(cls).splitlines():
         name, _, rest = line.strip().partition(":")
@@ -131,8 +133,7 @@ def add_dataclass_flags(parser, cls) -> None:
 def run_cancellable(coroutine) -> None:
     """Run a training coroutine until done; Ctrl-C and SIGTERM end it like KeyboardInterrupt: the current step is
     abandoned and the backend shut down by the coroutine's own `finally`."""
-    import asyncio
-
+    # here, not at the top: rollout imports ART (torch, seconds), and both scripts import this module for --help
     from email_agent.agent.rollout import IN_FLIGHT
 
     loop = asyncio.new_event_loop()
@@ -157,8 +158,6 @@ def run_cancellable(coroutine) -> None:
 
 def console_flags():
     """The parent parser of every subcommand's --quiet and --verbose."""
-    import argparse
-
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_mutually_exclusive_group()
     group.add_argument("--quiet", action="store_true", help="warnings and errors only; no progress bars")
@@ -176,11 +175,6 @@ def run_command(command, argv: list[str] | None, *, interrupted: str | Callable[
     """Run a subcommand as every command of both scripts ends: a one-sentence error and exit code 1 for a bad
     input, a damaged database or a full or read-only disk (`run_folder()`: the run being written, if any); 130
     after Ctrl-C or SIGTERM with `interrupted` (or what it returns) said; anything else is a bug and raises."""
-    import sqlite3
-
-    from email_agent.errors import DataError
-    from email_agent.runs import storage_problem
-
     stop_on_sigterm()
     try:
         check_text_arguments(argv if argv is not None else sys.argv[1:])

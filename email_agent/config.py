@@ -7,10 +7,12 @@ The training loop itself is in train_email_search_agent.py; this module owns no 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from email_agent import backends
 from email_agent.runs import ART_DIR, PROJECT, run_path
 from email_agent.errors import DataError
 from email_agent.agent.episode import Episode
@@ -123,8 +125,6 @@ def given_flags(args) -> dict:
 def cpu_preset(args) -> dict:
     """The CPU preset's values a run on the CPU backend (named, or chosen for want of CUDA) takes without --demo:
     those of `CPU_PRESET_KEYS` not given as flags."""
-    from email_agent import backends
-
     given = given_flags(args)
     if given.get("demo") or backends.resolve_backend(given.get("backend", "auto")) != "cpu":
         return {}
@@ -138,8 +138,6 @@ def config_from_args(args) -> TrainConfig:
 
 
 def wandb_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("wandb") is not None
 
 

@@ -231,6 +231,7 @@ def lock(art_dir: str, project: str, name: str):
     """An exclusive lock on the run's name (a file in `art_dir`: --fresh deletes the run's folder), held until
     the returned file is closed; a DataError if another process holds it: two processes training one run
     would write the same checkpoints and prune each other's."""
+    # here, not at the top: fcntl is POSIX-only, and only training locks a run (reading runs works without it)
     import fcntl
 
     path = Path(art_dir) / f".{project}.{name}.lock"

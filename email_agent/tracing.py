@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 def traced_rollout(project: str, rollout, judge=None):
     """`rollout` wrapped for Weave in `project` (and `judge.verdict`), or `rollout` itself if Weave fails."""
     try:
+        # here, not at the top: weave takes ~1 s to import, and only --wandb traces
         import weave
 
         weave.init(project)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import tenacity
 
+from email_agent.errors import DataError
 from email_agent.redact import redact
 
 log = logging.getLogger(__name__)
@@ -263,8 +264,6 @@ class LLMJudge:
         """One uncached verdict before any real work. A judge that cannot run (no key, an unknown model, a dead
         --judge-base-url) would otherwise grade every answer offline, each after its retries, and the summary
         would look like a judge's; raises DataError instead."""
-        from email_agent.errors import DataError
-
         try:
             await self._ask(*JUDGE_PROBE)
         except JudgeFailed as exc:
@@ -272,6 +271,7 @@ class LLMJudge:
                             "(JUDGE_API_KEY, or the provider's own variable such as OPENAI_API_KEY)") from None
 
     async def _ask(self, question: str, gold: str, answer: str) -> Verdict:
+        # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and offline grading never calls it
         import litellm
 
         litellm.suppress_debug_info = True  # failures are reported by the caller, not printed as banners
@@ -356,8 +356,6 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
 
     Without a judge the mode defaults to offline, and says so loudly; judge/shaped without one is an error.
     """
-    from email_agent.errors import DataError
-
     judge_model = judge_model or os.environ.get("JUDGE_MODEL")
     judge = None
     if judge_model:
@@ -455,6 +453,7 @@ async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None
     (metrics ruler_error=1, metadata ruler_error=message) with equal rewards of 0, so GRPO trains nothing on
     it and the train loop counts it as a judge error instead of a silent 0.
     """
+    # here, not at the top: ART imports torch and transformers (seconds); only --reward ruler gets here
     import litellm
     from art.rewards.ruler import ruler
 

@@ -15,6 +15,7 @@ from datetime import date
 from typing import Callable
 
 from email_agent.evaluation import players
+from email_agent.agent.episode import Episode
 from email_agent import runs
 from email_agent.runs import ART_DIR
 from email_agent.errors import DataError
@@ -82,7 +83,7 @@ async def ask(spec: str, question: Question, db: EmailDB, options: players.Optio
 async def answer_question(contestant: players.Contestant, question: Question, db: EmailDB,
                           grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
     """One rollout of an open contestant (served once, asked many times by `serve`), in its episode shape."""
-    from email_agent.agent.episode import Episode
+    # here, not at the top: rollout imports ART (torch, seconds), and this module loads for every subcommand and --help
     from email_agent.agent.rollout import rollout
 
     calls: list[dict] = []

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 from email_agent.runs import ART_DIR
+from email_agent.agent.tools import TOOLS
 from email_agent.backends import CPU_BASE_MODEL
+from email_agent.backends.art_backends import vllm_lora_rank
 from email_agent.errors import DataError
-from email_agent.runs import Run, find_run, is_step
+from email_agent.runs import Run, find_run, is_step, list_runs
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +81,6 @@ def find_checkpoint(spec: str, art_dir: str = ART_DIR) -> tuple[Run, int, Path]:
         raise DataError(f"--model {spec}: a step is a number or 'latest'")
     run = find_run(name, art_dir)
     if run is None:
-        from email_agent.runs import list_runs
-
         known = ", ".join(r.name for r in list_runs(art_dir)) or "none"
         raise DataError(f"--model {name!r} is not a training run under {art_dir}/*/models/ (runs there: {known})")
     if run.backend not in ("cpu", "local"):
@@ -92,6 +92,7 @@ def find_checkpoint(spec: str, art_dir: str = ART_DIR) -> tuple[Run, int, Path]:
 
 def check_adapter(folder: Path) -> None:
     """A DataError unless `folder` holds a readable PEFT LoRA adapter (its config and complete weights)."""
+    # here: the only reader of safetensors in this module (its safe_open(framework="pt") loads torch when called)
     from safetensors import safe_open
 
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
@@ -124,6 +125,7 @@ def check_format(run: Run, fmt: str, base_model: str | None) -> None:
 
 
 def is_smollm2_gguf(run: Run) -> bool:
+    # here, not at the top: backends.cpu.model imports torch and transformers (seconds), which --help never needs
     from email_agent.backends.cpu.model import SMOLLM2_NAMES
 
     return run.backend == "cpu" and run.base_model in SMOLLM2_NAMES
@@ -177,6 +179,7 @@ def write_lora(run: Run, checkpoint: Path, folder: Path) -> None:
 
 def cpu_chat_template(run: Run) -> str:
     """The chat template the CPU backend trained and served the run with (the tokenizer alone: no weights)."""
+    # here, not at the top (as the transformers import below): backends.cpu.model imports torch and transformers
     from email_agent.backends.cpu.model import TOOL_CHAT_TEMPLATE
 
     if is_smollm2_gguf(run):
@@ -189,6 +192,7 @@ def cpu_chat_template(run: Run) -> str:
 
 def merged_model(run: Run, checkpoint: Path, base_model: str | None):
     """(the base with the checkpoint's LoRA merged into its weights, its tokenizer with the chat template)."""
+    # here, not at the top (and the imports below): peft, transformers and backends.cpu import torch (seconds)
     from peft import PeftModel
 
     if run.backend == "cpu":
@@ -246,6 +250,7 @@ def write_gguf(run: Run, step: int, model, tokenizer, folder: Path) -> None:
     architecture metadata are kept as they are, every weight is replaced. Float32, because the merged weights
     are float32 (the Q4_1 base dequantized, plus the LoRA): f16 would round each of them, so the file would no
     longer be the model that was evaluated (llama-quantize makes a smaller copy if wanted)."""
+    # here, not at the top: gguf imports numpy, backends.cpu torch and transformers; only --format gguf needs them
     import gguf
 
     from email_agent.backends.cpu import find_base_model
@@ -301,8 +306,8 @@ def rope_permute(weights, heads: int):
 
 def readme(run: Run, step: int, fmt: str, target: Path) -> str:
     """How to load the export in each runtime, and how to prompt it as it was trained."""
+    # here, not at the top: rollout imports ART (torch, seconds), which --help never needs
     from email_agent.agent.rollout import SYSTEM_PROMPT
-    from email_agent.agent.tools import TOOLS
 
     shape = run.shape
     base = hub_base(run)
@@ -350,8 +355,6 @@ def readme(run: Run, step: int, fmt: str, target: Path) -> str:
 
 
 def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
-    from email_agent.backends.art_backends import vllm_lora_rank
-
     rank = vllm_lora_rank(run.config.get("lora_rank", 8))
     vllm_tools = "--enable-auto-tool-choice --tool-call-parser hermes"
     if fmt == "lora":

@@ -54,6 +54,7 @@ class Scope:
 
     def inbox(self, requested: str | None) -> str:
         """The inbox a tool call may use, or a ToolError that says which it may."""
+        # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
         from mcp.server.mcpserver.exceptions import ToolError
 
         if requested is None or not requested.strip():
@@ -104,6 +105,7 @@ def check_settings(settings: Settings) -> None:
 def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: bool, ready: bool = True):
     """The MCP server with its three tools. `ready`: the model answered the probe at start (else each
     ask_inbox probes it again first, so a model that is down is one clear tool error per request)."""
+    # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
     from mcp.server.mcpserver import MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
     from pydantic import Field
@@ -179,6 +181,7 @@ def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: 
 
 def tool_day(as_of: str | None) -> str:
     """The day a tool call is asked, as `ask` reads --as-of; a ToolError if malformed."""
+    # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
     from mcp.server.mcpserver.exceptions import ToolError
 
     try:
@@ -258,6 +261,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 async def serve_http(server, sock: socket.socket, token: str | None) -> None:
+    # here, not at the top: a third-party server for --http alone, and this module loads for --help
     import uvicorn
 
     host, port = sock.getsockname()[:2]

@@ -11,6 +11,7 @@ This module only picks and builds one, and builds the model's ART settings; it h
 
 from __future__ import annotations
 
+import json
 import os
 
 from email_agent.errors import DataError
@@ -29,6 +30,7 @@ class BackendError(DataError):
 
 def cuda_available() -> bool:
     try:
+        # here, not at the top: torch takes ~1 s to import, and this module loads for --help (ImportError: no torch)
         import torch
 
         return torch.cuda.is_available()
@@ -64,6 +66,7 @@ def internal_config(cfg):
     ART's tokenizer renders tool schemas in vLLM's key order, as they were when the policy sampled (the training
     loop also hands them over in that order: `training_data`; this holds if ART re-validates them on the way).
     """
+    # here, not at the top: ART imports torch and transformers (seconds), and this module loads for --help
     import art
 
     return art.dev.InternalModelConfig(
@@ -83,6 +86,7 @@ def chat_template(backend_name: str, backend, base_model: str) -> str | None:
     if backend_name == "cpu":
         return backend.trainer.tokenizer.chat_template
     if backend_name == "local":
+        # here, not at the top: transformers takes ~2 s to import (torch), and this module loads for --help
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(base_model).chat_template
@@ -102,6 +106,7 @@ def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
 def make_backend(name: str, cfg):
     """Build the chosen backend; `cfg` is the training config (art_dir, seed, LoRA and memory settings)."""
     if name == "cpu":
+        # here, not at the top: the CPU backend imports torch, transformers, peft and ART (seconds)
         from email_agent.backends.cpu import CPUBackend, find_base_model
 
         find_base_model(cfg.base_model)
@@ -111,6 +116,7 @@ def make_backend(name: str, cfg):
         if not cuda_available():
             raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")
         try:
+            # optional: ART's GPU extra may be missing (the ImportError below); ART imports torch (seconds)
             from art.local import LocalBackend
         except ImportError as exc:
             raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt "
@@ -121,6 +127,7 @@ def make_backend(name: str, cfg):
     if name == "serverless":
         if not os.environ.get("WANDB_API_KEY"):
             raise BackendError("--backend serverless trains on W&B Training: set WANDB_API_KEY first.")
+        # here, not at the top: ART imports torch and transformers (seconds)
         import art
 
         return art.ServerlessBackend()  # reads WANDB_API_KEY itself
@@ -128,6 +135,7 @@ def make_backend(name: str, cfg):
         if not os.environ.get("TINKER_API_KEY"):
             raise BackendError("--backend tinker needs TINKER_API_KEY in the environment.")
         try:
+            # optional: art.tinker needs openpipe-art[tinker] (the ImportError below)
             from art.tinker.backend import TinkerBackend
         except ImportError as exc:
             raise BackendError(f"--backend tinker needs ART's tinker extra: pip install "
@@ -144,8 +152,6 @@ async def keep_latest_and_best(model, backend, latest: int, also: tuple[int, ...
 
     (ART 0.5.18's model.delete_checkpoints fails on the string `recorded_at` column of its own history.)
     """
-    import json
-
     history = run_path(model.base_path, model.project, model.name) / "history.jsonl"
     rewards_by_step: dict[int, list[float]] = {}
     for line in history.read_text(errors="replace").splitlines() if history.exists() else []:

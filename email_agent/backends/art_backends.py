@@ -97,6 +97,7 @@ class GPU:
 def find_gpu() -> GPU | None:
     """The first CUDA device as torch sees it, or None."""
     try:
+        # here, not at the top: torch takes ~1 s to import, and this module loads for --help
         import torch
 
         if not torch.cuda.is_available():
@@ -112,6 +113,7 @@ def model_shape(base_model: str) -> ModelShape | None:
     if base_model in QWEN2_5:
         return QWEN2_5[base_model]
     try:
+        # here, not at the top: transformers takes ~2 s to import (torch), and this module loads for --help
         from transformers import AutoConfig
 
         return ModelShape.from_config(AutoConfig.from_pretrained(base_model))
@@ -220,6 +222,7 @@ def installed(module: str) -> bool:
 def tinker_renderer(base_model: str) -> str | None:
     """ART's own renderer lookup for Tinker (None: "Unknown base model"), read from the installed file so it runs
     without the tinker extra (importing `art.tinker` needs fastapi, tinker and tinker_cookbook)."""
+    # here, not at the top: ART imports torch and transformers (seconds), and this module loads for --help
     import art
 
     path = Path(art.__file__).parent / "tinker" / "renderers.py"
@@ -319,7 +322,8 @@ def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
         r.missing.append(f"free GPU memory: {gpu.free_gib:.1f} GiB free, vLLM's share and the parked trainer take "
                          f"{e.vllm_share + TRAINER_FIXED_GIB:.1f}; stop what else runs on the GPU (nvidia-smi) or "
                          f"lower --gpu-memory-utilization")
-    import psutil  # installed with peft (and accelerate, on a GPU)
+    # here, not at the top: a third-party package (installed with peft) that only this local-GPU check needs
+    import psutil
 
     host = psutil.virtual_memory().total / GiB
     if host < e.host:
@@ -350,6 +354,7 @@ def built_vllm_runtime(environ=os.environ) -> str | None:
     ART 0.5.18's own check accepts), or None: then the first start builds it."""
     if environ.get("ART_VLLM_RUNTIME_BIN"):
         return environ["ART_VLLM_RUNTIME_BIN"]
+    # here, not at the top: ART imports torch and transformers (seconds), and this module loads for --help
     from art import vllm_runtime  # ART's own validation, so a runtime it would rebuild is not taken as built
 
     try:
@@ -375,6 +380,7 @@ def unsloth_repo(base_model: str) -> str | None:
 
 def cached_repo(repo: str) -> bool:
     """Whether the Hugging Face cache holds the repository's config.json (what a load reads first)."""
+    # here, not at the top: this name loads huggingface_hub's hub client (~0.1 s); only the local-GPU check asks
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -442,6 +448,7 @@ def _first_start(r: Readiness, base_model: str, shape: ModelShape | None, enviro
         r.missing.append(f"cached weights: offline (HF_HUB_OFFLINE), and the Hugging Face cache lacks "
                          f"{', '.join(missing)}; download them where there is a network first (docs/training.md)")
     elif shape is not None:
+        # here, as in cached_repo: huggingface_hub is third-party, and only the local-GPU check needs it
         from huggingface_hub import constants
 
         need = ((shape.params * 2 if base_model in missing else 0)

@@ -168,6 +168,7 @@ class VLLMServer:
 
     def start(self) -> None:
         """Start the process (it answers some 30-60 s later: `wait_ready`)."""
+        # here, not at the top: ART imports torch and transformers (seconds), and this module loads for --help
         from art.utils.lifecycle import managed_process_cmd
 
         if self.url:
@@ -244,6 +245,7 @@ class VLLMServer:
     async def close(self) -> None:
         """End the server and everything it started (SIGTERM to the wrapper, which ends vLLM's group); on a server
         of URL_ENV, unload this handle's LoRAs and leave it running."""
+        # here, not at the top: ART imports torch and transformers (seconds), and this module loads for --help
         from art.utils.lifecycle import terminate_popen_process_group
 
         if self.url:

@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 from tqdm import tqdm
 
+from email_agent.data import demo as demo_inbox
 from email_agent.data.email_db import (INDEXES, SCHEMA, SkipRecord, member_token, normalize_email, read_emails,
                                        read_hub_emails)
 from email_agent.errors import DataError
@@ -69,8 +70,6 @@ def open_sources(*, demo: bool = False, emails: str | None = None, questions: st
     """(emails, questions, source name, email count if known) for build-db's flags: the demo inbox; local
     files; or the ART·E corpus and questions from Hugging Face. Local emails without --questions: none."""
     if demo:
-        from email_agent.data import demo as demo_inbox
-
         email_rows, question_rows = demo_inbox.generate(seed=0)
         return email_rows, question_rows, "demo inbox (email_agent/demo.py, seed 0)", len(email_rows)
     email_rows = read_emails(emails) if emails else read_hub_emails()

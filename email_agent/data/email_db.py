@@ -254,6 +254,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def read_parquet(path: Path) -> Iterator[dict]:
+    # here, not at the top: pyarrow imports numpy (~0.1 s), and only Parquet sources need it
     import pyarrow
     import pyarrow.parquet as pq
 
@@ -358,6 +359,7 @@ HUB_OFFLINE_HELP = (
 def load_hub_dataset(name: str, split: str | None = None):
     """A Hugging Face dataset by name, with a readable error instead of a network traceback."""
     try:
+        # here, not at the top: datasets takes ~1.5 s to import (pyarrow, numpy); only build-db from the hub needs it
         import datasets
         import huggingface_hub
 

@@ -276,6 +276,7 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
     key = batch.key(cfg)
     if key in cache.replies:
         return {**cache.replies[key], "cached": True}
+    # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and this module loads for --help
     import litellm
 
     litellm.suppress_debug_info = True
@@ -456,6 +457,7 @@ def check_key(cfg: GenerateConfig) -> None:
     """A provider key missing from the environment is one error up front, not three failed tries per batch."""
     if cfg.api_key or cfg.base_url:
         return
+    # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and this module loads for --help
     import litellm
 
     missing = litellm.validate_environment(cfg.model).get("missing_keys")

@@ -96,6 +96,7 @@ def read_questions(path: str | Path) -> Iterator[dict]:
 
 def read_hub_questions(name: str = "corbt/enron_emails_sample_questions") -> Iterator[dict]:
     """Both splits of the ART·E question set, each row tagged with its split."""
+    # here, not at the top: tests patch email_db.load_hub_dataset, so it is looked up at each call
     from email_agent.data.email_db import load_hub_dataset
 
     splits = load_hub_dataset(name)

@@ -22,12 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
+from tqdm import tqdm
+
+from email_agent import backends
 from email_agent.agent import rewards
+from email_agent.agent.rewards import Rubric
 from email_agent.runs import ART_DIR
 from email_agent.backends import CPU_BASE_MODEL
+from email_agent.backends.vllm_server import VLLMServer
 from email_agent.errors import DataError
 from email_agent.agent.episode import Episode
 from email_agent.data.questions import Question
+from email_agent.evaluation.scores import read_results
 from email_agent.redact import redact
 from email_agent.runs import Run, find_run, is_step
 
@@ -177,6 +184,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
     A run plays the episode shape it was trained with; `base` and prompted models play `default_shape`
     (else the defaults); flags in `options.shape` override both.
     """
+    # here, not at the top: openai takes ~0.4 s, rollout imports ART (torch, seconds); --help loads this module
     from openai import AsyncOpenAI
 
     from email_agent.agent.rollout import Policy
@@ -231,6 +239,7 @@ async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str | No
                        stack: contextlib.AsyncExitStack, lora_rank: int = 8):
     """(client, model name) on the one vLLM server of `base_model` in this evaluation (`stack`): the base model
     under the server's name for it, a checkpoint a LoRA loaded into it as `label`. The first call starts it."""
+    # here, not at the top: openai takes ~0.4 s (pydantic) and backends.cpu imports torch, transformers, peft, ART
     from openai import AsyncOpenAI
 
     from email_agent.backends.cpu import CheckpointError
@@ -267,8 +276,8 @@ def cpu_served_name(base_model: str) -> str:
 
 
 async def _start_cpu_server(base_model: str, options: Options, stack: contextlib.AsyncExitStack, lora_rank: int):
+    # here, not at the top: backends.cpu imports torch, transformers, peft and ART (seconds)
     from email_agent.backends.cpu import load_base_model, served_model_dir
-    from email_agent.backends.vllm_server import VLLMServer
 
     _, tokenizer = await asyncio.to_thread(load_base_model, base_model)  # its tool chat template
     log = Path(options.log_dir or Path(options.art_dir) / "logs") / "vllm-evaluation.log"
@@ -295,10 +304,9 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, 
     """A run trained on an ART backend, served by that backend: register a model of the same name, project
     and folder (as training does), then ask for the step. Returns (client, label, served model name).
     A second step of the same run is served by the backend the first one started."""
+    # here, not at the top: ART imports torch and transformers (seconds), and --help loads this module
     import art
     from openai import AsyncOpenAI
-
-    from email_agent import backends
 
     registered = _REGISTERED.setdefault(stack, {})
     try:
@@ -337,8 +345,6 @@ async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, 
 
 
 async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, path: str) -> None:
-    import httpx
-
     url = base_url.rstrip("/").removesuffix("/v1") + "/v1/load_lora_adapter"
     async with httpx.AsyncClient(timeout=120.0) as client:
         response = await client.post(url, json={"lora_name": lora_name, "lora_path": path, "load_inplace": True},
@@ -350,8 +356,6 @@ async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, 
 
 def cannot_serve(run: Run, step: str, reason: str) -> str:
     """What is missing to serve a run the way it was trained, and the way around it."""
-    from email_agent import backends
-
     message = f"run {run.name!r} was trained on the {run.backend} backend, which cannot serve it here: {reason}"
     steps = run.steps()
     if not steps:
@@ -380,6 +384,7 @@ async def probe(contestant: Contestant) -> None:
     GET /models first (free, and what every OpenAI-compatible server answers); when the model is not in the
     list, or the server has no such route, a one-token chat request decides.
     """
+    # here, not at the top: openai takes ~0.4 s to import (pydantic), and --help loads this module
     import openai
 
     client = contestant.policy.client.with_options(max_retries=0, timeout=PROBE_TIMEOUT_S)
@@ -424,6 +429,7 @@ async def probe(contestant: Contestant) -> None:
 def cost_usd(price_model: str | None, prompt_tokens: int, completion_tokens: int) -> float | None:
     if price_model is None:
         return None
+    # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and --help loads this module
     import litellm
 
     try:
@@ -457,10 +463,6 @@ def make_record(contestant: Contestant, question: Question, traj, config) -> dic
 async def rejudge_folder(folder: Path, config, grounded_answers: bool) -> list[dict]:
     """Every answer of an earlier evaluation (its results.jsonl) scored again with `config`'s judge, without
     playing the episodes again."""
-    from tqdm import tqdm
-
-    from email_agent.evaluation.scores import read_results
-
     results = folder / "results.jsonl"
     if not results.is_file():
         raise DataError(f"--rejudge {folder}: no results.jsonl there (an output folder of this command).")
@@ -485,7 +487,7 @@ async def rejudge_record(record: dict, config) -> dict:
     """Re-score a stored record with another judge: the agent's answer stays, the verdict and reward change.
     An answer the grounding check withheld is judged as the agent gave it, and withheld again only if `config`
     asks for the check (so `--rejudge DIR --grounded-answers` applies it to an evaluation made without)."""
-    from email_agent.agent.rewards import Rubric
+    # here, not at the top: rollout imports ART (torch, seconds), and --help loads this module
     from email_agent.agent.rollout import grade, withhold_ungrounded
 
     fields = Rubric.__dataclass_fields__
@@ -511,8 +513,6 @@ def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: 
                    grounded_answers: bool = False):
     """A Episode carrying how answers are graded and whether ungrounded ones are withheld (each
     contestant adds its episode shape)."""
-    from email_agent.agent.episode import Episode
-
     mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"

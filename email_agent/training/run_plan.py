@@ -124,7 +124,8 @@ async def resolve(cfg: TrainConfig) -> Plan:
                     if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
     played = rollout
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
-        from email_agent.tracing import traced_rollout  # here: weave is imported only with --wandb
+        # here, not at the top: tests patch tracing.traced_rollout, so it is looked up at each call
+        from email_agent.tracing import traced_rollout
 
         played = traced_rollout(cfg.project, rollout, judge)
     return Plan(cfg, backend, db, val_questions, train_questions, rl_questions, episode, judge, ruler_model,

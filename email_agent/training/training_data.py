@@ -27,6 +27,7 @@ from typing import Literal
 from art import Trajectory, TrajectoryGroup
 from art.trajectories import get_messages
 from openai.types.chat.chat_completion import Choice
+from transformers.utils.chat_template_utils import render_jinja_template
 
 ArgumentForm = Literal["string", "object"]
 _FUNCTION_KEYS = ("name", "description", "parameters", "strict")  # vLLM's FunctionDefinition, in its order
@@ -55,8 +56,6 @@ def argument_form(chat_template: str | None) -> ArgumentForm:
     itself for templates that iterate over them with `|items`, where ART insists on strings)."""
     if not isinstance(chat_template, str):
         return "string"
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     arguments = '{"probe": "value"}'
     messages = [{"role": "user", "content": "q"},
                 {"role": "assistant", "content": "", "tool_calls": [

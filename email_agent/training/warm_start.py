@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 import art
+from art.utils.sft import create_lr_schedule
 
 from email_agent.config import EXPERT_NAMES
 from email_agent.errors import DataError
@@ -174,8 +175,6 @@ async def warm_start(cfg, model, trajectories: list, say: Callable[[str], None] 
     run state before the first epoch, so after an interruption (even kill -9) the epochs already checkpointed are
     skipped, not re-run on top of themselves.
     """
-    from art.utils.sft import create_lr_schedule
-
     state = model.read_state() or {}
     if "sft_start_step" not in state:
         state = model.merge_state({"sft_start_step": await model.get_step()})

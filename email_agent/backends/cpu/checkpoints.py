@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from art.utils.output_dirs import get_step_checkpoint_dir
 from peft import PeftModel
+from safetensors import safe_open
 
 from email_agent.errors import DataError
 
@@ -95,8 +96,6 @@ def load_merged(base, directory: str):
 def check_adapter(directory: str) -> None:
     """That `directory` holds a LoRA adapter vLLM can load (peft's config and a readable safetensors file), told
     in one sentence before vLLM is asked to load it; CheckpointError if not."""
-    from safetensors import safe_open
-
     try:
         with open(os.path.join(directory, "adapter_config.json")) as f:
             config = json.load(f)
