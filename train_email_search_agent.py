@@ -186,16 +186,17 @@ async def train(cfg: TrainConfig) -> None:
         policy = plan.policy(model)
         steps = run_plan.Steps(plan, policy)
         arguments = training_data.argument_form(backends.chat_template(plan.backend, backend, cfg.base_model))
-        state = await runs.check_state(run_dir(cfg), plan.state, model)
+        state = await runs.check_state(run_dir(cfg), plan.state, model)  # may reopen a warm start (deleted checkpoints)
+        warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
         # (a warm start still to finish, even half done, comes before any RL step).
         sft_steps = state.get("sft_steps", 0)
-        rl_step = 0 if plan.warm_start_pending else await model.get_step() - sft_steps
+        rl_step = 0 if warm_start_pending else await model.get_step() - sft_steps
         batches = art.utils.iterate_dataset(plan.rl_questions, groups_per_step=cfg.groups_per_step,
                                             num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False)
         if cfg.preflight:  # the next step's groups from the policy as it is now: nothing trained, logged or saved
-            return await preflight(plan, steps, next(iter(batches), None), sft_steps)
-        if plan.warm_start_pending:
+            return await preflight(plan, steps, next(iter(batches), None), sft_steps, warm_start_pending)
+        if warm_start_pending:
             sft_steps = await warm_start(plan, model, policy, arguments)
         if cfg.sft_only:
             return
@@ -239,7 +240,7 @@ async def train(cfg: TrainConfig) -> None:
             shutil.rmtree(run_dir(cfg), ignore_errors=True)
 
 
-async def preflight(plan, steps, batch, sft_steps: int) -> None:
+async def preflight(plan, steps, batch, sft_steps: int, warm_start_pending: bool) -> None:
     """--preflight: one step's groups gathered and judged, the verdict printed; DataError if GRPO cannot learn."""
     # here, not at the top: step_health imports ART (torch, seconds); only train needs it
     from email_agent.training import step_health
@@ -250,7 +251,7 @@ async def preflight(plan, steps, batch, sft_steps: int) -> None:
     started = time.perf_counter()
     groups = await steps.settle(await steps.gather(batch.items, step), step)
     health = step_health.measure(groups, time.perf_counter() - started, plan.config.min_reward_std)
-    verdict = say_whether_it_can_learn(plan.config, health, plan.episode.reward, plan.warm_start_pending)
+    verdict = say_whether_it_can_learn(plan.config, health, plan.episode.reward, warm_start_pending)
     if not verdict.ok:
         raise DataError(verdict.headline)
     print(f"preflight: {verdict.headline}")

@@ -36,7 +36,6 @@ class Plan:
     train_questions: list[Question]  # the warm start's
     rl_questions: list[Question]  # GRPO's: the train questions, with any unanswerable replays
     episode: Episode  # the episode's shape and how it is scored (reward mode, judge, penalty)
-    judge: rewards.LLMJudge | None
     ruler_model: str
     ruler_params: dict
     state: dict = field(default_factory=dict)  # what a resumed run saved (empty for a fresh one)
@@ -48,17 +47,13 @@ class Plan:
         cfg = self.config
         return cfg.max_steps or cfg.num_epochs * -(-len(self.rl_questions) // cfg.groups_per_step)
 
-    @property
-    def warm_start_pending(self) -> bool:
-        return bool(self.config.sft_from) and not self.state.get("sft_done")
-
     def opening_lines(self) -> list[str]:
         """What the run is about to do, for a person, at its start."""
         return config.opening_lines(self.config, self.backend, len(self.train_questions),
-                              len(self.rl_questions) - len(self.train_questions), len(self.val_questions),
-                              self.steps, rewards.describe(self.episode.reward, self.judge, self.ruler_model,
-                                                           self.ruler_params.get("api_base")),
-                              warm_start_done=bool(self.state.get("sft_done")))
+                                    len(self.rl_questions) - len(self.train_questions), len(self.val_questions),
+                                    self.steps, rewards.describe(self.episode.reward, self.episode.judge,
+                                                                 self.ruler_model, self.ruler_params.get("api_base")),
+                                    warm_start_done=bool(self.state.get("sft_done")))
 
     def trainable_model(self) -> art.TrainableModel:
         cfg = self.config
@@ -128,7 +123,7 @@ async def resolve(cfg: TrainConfig) -> Plan:
         from email_agent.tracing import traced_rollout
 
         played = traced_rollout(cfg.project, rollout, judge)
-    return Plan(cfg, backend, db, val_questions, train_questions, rl_questions, episode, judge, ruler_model,
+    return Plan(cfg, backend, db, val_questions, train_questions, rl_questions, episode, ruler_model,
                 rewards.ruler_params(judge, cfg.judge_base_url), state, sft_episodes, played)
 
 

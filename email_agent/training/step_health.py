@@ -97,7 +97,10 @@ def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0, min_reward_std
     h.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
     spreads = [_std([t.reward for t in g.trajectories]) for g in scored]
     h.reward_spread = sum(spreads) / len(spreads) if spreads else 0.0
-    total = lambda key: sum(t.metrics.get(key, 0) for t in trajs)  # noqa: E731
+
+    def total(key: str) -> float:
+        return sum(t.metrics.get(key, 0) for t in trajs)
+
     h.valid_call_rate = valid_tool_call_rate(t.metrics for t in trajs) or 0.0
     h.answered = total("attempted_answer") / len(trajs)
     h.correct = total("answer_correct") / len(trajs)
