@@ -185,7 +185,8 @@ async def train(cfg: TrainConfig) -> None:
         await model.register(backend)
         policy = plan.policy(model)
         steps = run_plan.Steps(plan, policy)
-        arguments = training_data.argument_form(backends.chat_template(plan.backend, backend, cfg.base_model))
+        tokenizer = backends.tokenizer(plan.backend, backend, cfg.base_model)  # None: a remote backend renders
+        arguments = training_data.argument_form(tokenizer.chat_template if tokenizer else None)
         state = await runs.check_state(run_dir(cfg), plan.state, model)  # may reopen a warm start (deleted checkpoints)
         warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
@@ -217,9 +218,9 @@ async def train(cfg: TrainConfig) -> None:
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
             # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled, of the
             # groups whose rewards differ by more than judge noise ----
-            result = await backend.train(model, training_data.for_grpo(groups, arguments, cfg.min_reward_std),
-                                         learning_rate=cfg.learning_rate, advantage_balance=cfg.advantage_balance,
-                                         scale_rewards=cfg.scale_rewards)
+            trained = training_data.for_grpo(groups, arguments, cfg.min_reward_std, tokenizer)
+            result = await backend.train(model, trained, learning_rate=cfg.learning_rate,
+                                         advantage_balance=cfg.advantage_balance, scale_rewards=cfg.scale_rewards)
             learned = step_health.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
             await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
             policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on

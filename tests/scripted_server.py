@@ -4,7 +4,9 @@ Each question (the first user message) has a script: a list of replies, one per 
 keyed by model name first ({model: {question: script}}), and "*" is the script for any other question (e.g. a
 judge's reply). A reply is a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args),
 ...]} for several, {"text": "..."} for plain text, {"status": 500, "message": "..."} for an HTTP error (message
-optional), {"raw": body} for a whole response body of its own, {"sleep": s} to stall. A script may also be a
+optional), {"raw": body} for a whole response body of its own, {"sleep": s} to stall; a call or text reply with
+"sampled" samples that text instead of the one the reply renders back to (a call the parser keeps only part of). A
+script may also be a
 function of the request body that returns one reply (for replies that depend on the prompt or on earlier calls). A
 question with no script gets {"status": 404}. GET /v1/models lists `models` (none by default: "serves anything");
 POST /v1/load_lora_adapter is recorded in `adapters`, as vLLM would load a LoRA. With `api_key`, any request without
@@ -105,7 +107,9 @@ class ScriptedServer:
         message = {"role": "assistant", "content": reply.get("text"), "tool_calls": tool_calls or None}
         logprobs, usage = None, {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110}
         if self.tokenizer is not None:
-            logprobs, usage = self._sample(body, question, hermes_text(calls, reply.get("text")))
+            # "sampled": the text the model wrote, when it is not what the parsed reply renders back to
+            written = reply.get("sampled") or hermes_text(calls, reply.get("text"))
+            logprobs, usage = self._sample(body, question, written)
         return web.json_response({
             "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": logprobs,

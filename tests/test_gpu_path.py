@@ -24,7 +24,7 @@ from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
 from email_agent.training.warm_start import expert_trajectories
 from email_agent.agent.tools import parse_arguments
-from scripted_server import ScriptedServer, as_vllm_renders, call, expert_script
+from scripted_server import ScriptedServer, as_vllm_renders, call, expert_script, hermes_text
 
 import train_email_search_agent as cli
 
@@ -112,6 +112,48 @@ def test_every_trained_sequence_is_what_the_policy_was_served(tokenizer, demo_db
     wrong = [r for r in raw if r.token_ids != expected(r, served, questions)[0]]
     assert len(wrong) >= 6  # every multi-turn rollout: each sampled call rendered again after its tokens
     assert any(tokenizer.decode(r.token_ids).count('<tool_call>\n{"name": "search_inbox"') >= 2 for r in wrong)
+
+
+def test_a_call_the_parser_keeps_only_part_of_is_trained_as_the_server_rendered_it(tokenizer, demo_db):
+    """A model may write a call with a key the hermes parser drops (seen on real vLLM: "parameters" beside
+    "arguments"): every later prompt renders the call without it. Trained on its sampled ids, the later turns would
+    sit in a context no prompt had; trained as the server rendered it, the sequence is the last prompt served."""
+    question = qmod.select_questions(demo_db, "train", seed=0)[0]
+    solve = expert_script(question)
+    name, args = solve[0]["tool"], solve[0]["args"]
+    as_rendered = hermes_text([(name, args)], None)
+    written = as_rendered.replace("}}\n</tool_call>", '}, "parameters": {}}\n</tool_call>')
+    assert not training_data.parser_kept_all(written) and training_data.parser_kept_all(as_rendered)
+
+    async def go():
+        scripts = {"odd": {question.question: [{**solve[0], "sampled": written}, *solve[1:]]},
+                   "abstains": {question.question: scripts_for(question)["abstains"]}}  # rewards differ: trained
+        async with ScriptedServer(scripts, tokenizer=tokenizer) as server:
+            client = AsyncOpenAI(base_url=server.base_url, api_key="test", max_retries=0)
+            trajectory = await rollout(Policy(client, "odd"), question, demo_db, Episode(max_turns=5))
+            served = list(server.served)
+            other = await rollout(Policy(client, "abstains"), question, demo_db, Episode(max_turns=5))
+            await client.close()
+            return art.TrajectoryGroup([trajectory, other]), served
+
+    group, served = asyncio.run(go())
+    assert group.trajectories[0].metrics["num_turns"] == 3 and group.trajectories[0].metrics["answer_correct"]
+    form = training_data.argument_form(tokenizer.chat_template)
+
+    def tokenized(reader):
+        prepared = training_data.for_grpo([group], form, tokenizer=reader)
+        return next(tokenize_trajectory_groups(tokenizer, prepared, False, True, shuffle_group_trajectories=False,
+                                               drop_zero_advantage_trajectories=False,
+                                               chat_template_tool_schema_format="vllm_openai"))
+
+    result = tokenized(tokenizer)
+    assert result.token_ids == served[-1]["prompt_ids"] + served[-1]["sampled_ids"]
+    trained = [i for i, bit in enumerate(result.assistant_mask) if bit]
+    later = [range(len(t["prompt_ids"]), len(t["prompt_ids"]) + len(t["sampled_ids"])) for t in served[1:]]
+    assert trained == [i for span in later for i in span]  # the two later turns, not the first
+    # with no tokenizer to read the sampled text, the gap is there: the sampled key stays in the context
+    unread = tokenized(None)
+    assert unread.token_ids != result.token_ids and '"parameters"' in tokenizer.decode(unread.token_ids)
 
 
 def test_warm_start_teaches_what_vllm_shows_and_calls_the_parser_reads(tokenizer, demo_db):

@@ -80,16 +80,16 @@ def internal_config(cfg):
     )
 
 
-def chat_template(backend_name: str, backend, base_model: str) -> str | None:
-    """The chat template the backend trains with: the CPU backend's own; for LocalBackend the model's, as ART
-    loads it; None for remote backends, which render on their side."""
+def tokenizer(backend_name: str, backend, base_model: str):
+    """The tokenizer the backend trains with (its chat template renders what is trained): the CPU backend's own;
+    for LocalBackend the model's, as ART loads it; None for remote backends, which render on their side."""
     if backend_name == "cpu":
-        return backend.trainer.tokenizer.chat_template
+        return backend.trainer.tokenizer
     if backend_name == "local":
         # here, not at the top: transformers takes ~2 s to import (torch), and this module loads for --help
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(base_model).chat_template
+        return AutoTokenizer.from_pretrained(base_model)
     return None
 
 

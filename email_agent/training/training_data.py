@@ -14,6 +14,10 @@ things make what it trains on differ from what the policy saw, without an error:
   arguments form      templates that put `arguments | tojson` with no string check (Qwen2.5's) encode a JSON
                       string a second time; vLLM hands them objects. The warm start's episodes carry strings
                       (OpenAI's wire format), so it would teach double-encoded arguments (`argument_form`)
+  what a parser drops a call the model wrote with more than vLLM's hermes parser keeps (a key beside "name" and
+                      "arguments", text after the call) is re-rendered without it in every later prompt, while the
+                      sampled tokens keep it: later turns would train on a context no prompt had. Such a turn is
+                      trained as the message the server rendered, not on its sampled ids (`parser_kept_all`)
 
 It does not tokenize (ART does) and knows nothing of backends: they receive what it returns.
 """
@@ -21,6 +25,7 @@ It does not tokenize (ART does) and knows nothing of backends: they receive what
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from typing import Literal
 
@@ -88,11 +93,54 @@ def _message(message: dict, form: ArgumentForm) -> dict:
     return {**message, "tool_calls": converted}
 
 
-def _items(items: list, form: ArgumentForm) -> list:
+# vLLM's hermes tool parser (the one SERVER_ARGS names): a call between the tags, or an open tag to the end
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def parser_kept_all(text: str) -> bool:
+    """Whether the chat template renders sampled `text` back as it was once vLLM's hermes parser has read it:
+    each call written as the parser re-encodes it, {"name": "...", "arguments": {...}} with JSON's default
+    spacing (no other key, no other order), and nothing after the calls but whitespace (the parser keeps the
+    text before the first call as the content, and drops the rest)."""
+    calls = list(_TOOL_CALL.finditer(text))
+    if not calls:
+        return True  # no call parsed: the content is the text itself
+    outside = text[calls[0].start():]
+    for match in calls:
+        body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return True  # unparsable: vLLM then returns the whole text as the content
+        if not isinstance(call, dict) or list(call) != ["name", "arguments"]:
+            return False
+        rendered = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+        if body != rendered:
+            return False
+        outside = outside.replace(match.group(0), "", 1)
+    return not outside.strip()
+
+
+def sampled_ids(choice: Choice) -> list[int] | None:
+    """The token ids a server sampled, from logprobs named "token_id:N" (vLLM's --return-tokens-as-token-ids);
+    None when the tokens are named otherwise."""
+    tokens = [entry.token for entry in choice.logprobs.content or []]
+    if not all(token.startswith("token_id:") for token in tokens):
+        return None
+    return [int(token.removeprefix("token_id:")) for token in tokens]
+
+
+def _items(items: list, form: ArgumentForm, tokenizer=None) -> list:
     """Sampled Choices without their parsed tool calls (their tokens hold them); Choices with no sampled tokens
-    (a scripted expert's, a teacher's) and dict messages as chat messages with arguments in `form`."""
+    (a scripted expert's, a teacher's), sampled ones the parser kept only part of (when a `tokenizer` can read
+    them), and dict messages as chat messages with arguments in `form`."""
     out = []
     for item in items:
+        if isinstance(item, Choice) and item.logprobs is not None and item.message.tool_calls and tokenizer:
+            ids = sampled_ids(item)
+            if ids is not None and not parser_kept_all(tokenizer.decode(ids, skip_special_tokens=True)):
+                out.append(_message(get_messages([item])[0], form))
+                continue
         if isinstance(item, Choice) and item.logprobs is not None:
             if item.message.tool_calls:
                 item = item.model_copy(update={"message": item.message.model_copy(update={"tool_calls": None})})
@@ -104,25 +152,26 @@ def _items(items: list, form: ArgumentForm) -> list:
     return out
 
 
-def _trajectory(trajectory: Trajectory, form: ArgumentForm) -> Trajectory:
+def _trajectory(trajectory: Trajectory, form: ArgumentForm, tokenizer=None) -> Trajectory:
     # model_copy, not a new Trajectory: pydantic validation would put the tools back in {"function", "type"} order
     return trajectory.model_copy(update={
-        "messages_and_choices": _items(trajectory.messages_and_choices, form),
+        "messages_and_choices": _items(trajectory.messages_and_choices, form, tokenizer),
         "tools": tools_as_served(trajectory.tools),
         "additional_histories": [history.model_copy(update={
-            "messages_and_choices": _items(history.messages_and_choices, form),
+            "messages_and_choices": _items(history.messages_and_choices, form, tokenizer),
             "tools": tools_as_served(history.tools)}) for history in trajectory.additional_histories]})
 
 
-def for_grpo(groups: list[TrajectoryGroup], form: ArgumentForm, min_reward_std: float = 0.0
-             ) -> list[TrajectoryGroup]:
+def for_grpo(groups: list[TrajectoryGroup], form: ArgumentForm, min_reward_std: float = 0.0,
+             tokenizer=None) -> list[TrajectoryGroup]:
     """A step's groups as every backend should tokenize them: each trained sequence is the prompt the server
-    rendered plus the ids it sampled, turn after turn. A group whose rewards spread less than `min_reward_std`
-    (judge noise) gets one reward for all, its mean: ART then trains none of it (zero advantages), and still
-    counts it as submitted."""
+    rendered plus the ids it sampled, turn after turn (with the model's `tokenizer`, the turns the tool parser kept
+    only part of are found: those are rendered as the server rendered them, and not trained on). A group whose rewards
+    spread less than `min_reward_std` (judge noise) gets one reward for all, its mean: ART then trains none of it
+    (zero advantages), and still counts it as submitted."""
     prepared = []
     for group in groups:
-        trajectories = [_trajectory(t, form) for t in group.trajectories]
+        trajectories = [_trajectory(t, form, tokenizer) for t in group.trajectories]
         rewards = [t.reward for t in trajectories]
         if rewards and statistics.pstdev(rewards) < min_reward_std:
             trajectories = [t.model_copy(update={"reward": sum(rewards) / len(rewards)}) for t in trajectories]
