@@ -140,16 +140,42 @@ def test_paired_mcnemar_for_every_pair_in_summary_and_reports(tmp_path):
     pairs = {(p["a"], p["b"]): p for p in s["pairs"]}
     assert list(pairs) == [("A", "B"), ("A", "C"), ("B", "C")]
     assert pairs["A", "B"] == {"a": "A", "b": "B", "n": 10, "only_a": 6, "only_b": 0,
-                               "p_value": pytest.approx(mcnemar_exact(6, 0))}
+                               "p_value": pytest.approx(mcnemar_exact(6, 0)), "higher_a": 6, "higher_b": 0,
+                               "score_p_value": pytest.approx(mcnemar_exact(6, 0))}
     assert pairs["A", "B"]["p_value"] == pytest.approx(2 / 64)
     assert (pairs["A", "C"]["n"], pairs["A", "C"]["only_a"], pairs["A", "C"]["only_b"]) == (8, 8, 0)
     assert (pairs["B", "C"]["only_a"], pairs["B", "C"]["p_value"]) == (2, 0.5)
     write_report(tmp_path, records, s)
     md = (tmp_path / "report.md").read_text()
-    assert "## Paired comparison" in md and "| A | B | 10 | 6 | 0 | 0.0312 | A is better (p < 0.05) |" in md
-    assert "| B | C | 8 | 2 | 0 | 0.5 | no significant difference |" in md
+    assert "## Paired comparison" in md and "| A | B | 10 | 6 | 0 | 0.0312 | A is better (p < 0.05) | 6 | 0 |" in md
+    assert "| B | C | 8 | 2 | 0 | 0.5 | no significant difference | 2 | 0 | 0.5 | no significant difference |" in md
     assert json.loads((tmp_path / "summary.json").read_text())["pairs"][0]["p_value"] == pytest.approx(0.03125)
     assert "Paired comparison" in (tmp_path / "report.html").read_text()
+
+
+def test_the_score_is_right_minus_hallucinated_and_its_sign_test_says_what_training_changed(tmp_path):
+    from email_agent.evaluation.scores import mcnemar_exact, score
+
+    # The warm start answers all 10: right on 1-5, wrong on 6-10. The final agent keeps 1-4 right, says "I don't
+    # know" on 5-9 and stays wrong on 10: fewer right answers (McNemar sees only question 5), a higher score.
+    records = [_rec("run@1", q, correct=int(q <= 5), halluc=int(q > 5)) for q in range(1, 11)]
+    records += [_rec("run", q, correct=int(q <= 4), halluc=int(q == 10), idk=int(5 <= q <= 9)) for q in range(1, 11)]
+    records += [_rec("other", q, error="APIConnectionError") for q in range(1, 11)]
+    assert [score(r) for r in records[10:20]] == [1] * 4 + [0] * 5 + [-1] and score(records[-1]) == 0
+    s = summarize(records)
+    assert s["models"]["run@1"]["score"] == pytest.approx(0.0) and s["models"]["run"]["score"] == pytest.approx(0.3)
+    pair = s["pairs"][0]
+    assert (pair["only_a"], pair["only_b"], pair["higher_a"], pair["higher_b"]) == (1, 0, 1, 4)
+    assert pair["score_p_value"] == pytest.approx(mcnemar_exact(1, 4))
+    write_report(tmp_path, records, s)
+    md = (tmp_path / "report.md").read_text()
+    # only checkpoints of one run are compared as training: "other" is another model
+    assert md.count("- From ") == 1
+    assert ('- From run@1 to run: right 50.0% -> 40.0%, hallucinated 50.0% -> 10.0%, "I don\'t know" 0.0% -> 50.0%, '
+            'score (right minus hallucinated) +0.00 -> +0.30: higher on 4 questions, lower on 1 (sign test p = 0.375).'
+            ) in md
+    assert "| run@1 | 10 | 0 | 50.0%" in md and "| +0.00 |" in md and "| +0.30 |" in md
+    assert "What training changed" in (tmp_path / "report.html").read_text()
 
 
 def test_report_states_tool_choice_and_episode_shape(tmp_path):
@@ -354,19 +380,22 @@ def test_load_history_keeps_the_evaluated_step_and_reads_past_bytes_that_are_not
 def test_console_lines_state_each_figure_and_what_is_unknown():
     from email_agent.evaluation.scores import console_lines
 
-    known = {"accuracy": 0.5, "hallucination_rate": 0.125, "avg_turns": 3.25, "n": 8, "n_errors": 1,
+    known = {"accuracy": 0.5, "hallucination_rate": 0.125, "score": 0.375, "avg_turns": 3.25, "n": 8, "n_errors": 1,
              "tool_choice": "auto", "episode": {"max_turns": 6, "max_tokens": 512}}
     unknown = {"accuracy": None, "hallucination_rate": None, "avg_turns": None, "n": 0, "n_errors": 0}
     pairs = [{"a": "trained", "b": "base", "only_a": 1, "only_b": 7, "p_value": 0.0703125},
-             {"a": "trained", "b": "other", "only_a": 0, "only_b": 6, "p_value": 0.03125}]
+             {"a": "trained", "b": "other", "only_a": 0, "only_b": 6, "p_value": 0.03125, "higher_a": 5,
+              "higher_b": 0, "score_p_value": 0.0625}]
     lines = console_lines({"models": {"trained": known, "base": unknown}, "pairs": pairs})
     assert lines == [
-        f"{'trained':>32}  accuracy 50.0%  hallucination 12.5%  turns 3.2  n=8  errors 1  tool_choice auto  "
-        "shape 6 turns/512 tokens",
-        f"{'base':>32}  accuracy n/a  hallucination n/a  turns n/a  n=0  errors 0  tool_choice n/a  "
+        f"{'trained':>32}  accuracy 50.0%  hallucination 12.5%  score +0.38  turns 3.2  n=8  errors 1  "
+        "tool_choice auto  shape 6 turns/512 tokens",
+        f"{'base':>32}  accuracy n/a  hallucination n/a  score n/a  turns n/a  n=0  errors 0  tool_choice n/a  "
         "shape ? turns/? tokens",
         "trained vs base: 1 vs 7 questions only one got right, McNemar p=0.0703: no significant difference",
         "trained vs other: 0 vs 6 questions only one got right, McNemar p=0.0312: other is better",
+        "trained vs other on the score (right +1, hallucinated -1): higher on 5 vs 0 questions, sign test "
+        "p=0.0625: no significant difference",
     ]
 
 

@@ -48,7 +48,8 @@ def _num(v, fmt: str = "{:.2f}") -> str:
 def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     """Header and plain-text cells shared by the Markdown and HTML tables."""
     header = ["Model", "n", "Errors", "Accuracy [95% CI]", "Accuracy of scored", "Sources", "Hallucination",
-              "I don't know", "Valid tool calls", "Avg turns", "Latency p50 / p95", "Tokens in / out", "Cost / 1k q"]
+              "I don't know", "Score", "Valid tool calls", "Avg turns", "Latency p50 / p95", "Tokens in / out",
+              "Cost / 1k q"]
     rows = []
     for label, s in summary["models"].items():
         acc = _pct(s["accuracy"])
@@ -57,7 +58,7 @@ def _comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([
             label, str(s["n"]), str(s["n_errors"]), acc, _pct(s.get("accuracy_scored")), _pct(s["sources_correct"]),
             _pct(s["hallucination_rate"]),
-            _pct(s["idk_rate"]), _pct(s["valid_tool_call_rate"]), _num(s["avg_turns"]),
+            _pct(s["idk_rate"]), _num(s.get("score"), "{:+.2f}"), _pct(s["valid_tool_call_rate"]), _num(s["avg_turns"]),
             f"{_num(s['latency_p50_s'], '{:.2f} s')} / {_num(s['latency_p95_s'], '{:.2f} s')}",
             f"{_num(s['mean_prompt_tokens'], '{:,.0f}')} / {_num(s['mean_completion_tokens'], '{:,.0f}')}",
             _num(s["cost_per_1k_usd"], "${:,.2f}"),
@@ -90,32 +91,64 @@ def _outcome_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
     return ["Model", *(OUTCOMES[k] for k in keys)], rows
 
 
+def _verdict(a: str, b: str, count_a: int, count_b: int, p_value: float, better: str) -> str:
+    return f"{a if count_a > count_b else b} {better} (p < 0.05)" if p_value < 0.05 else "no significant difference"
+
+
 def _pair_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["A", "B", "Shared questions", "Only A right", "Only B right", "McNemar p", "Verdict"]
+    header = ["A", "B", "Shared questions", "Only A right", "Only B right", "McNemar p", "Verdict on accuracy",
+              "A scores higher", "B scores higher", "Sign-test p", "Verdict on the score"]
     rows = []
     for p in summary.get("pairs") or []:
-        if p["p_value"] < 0.05:
-            verdict = f"{p['a'] if p['only_a'] > p['only_b'] else p['b']} is better (p < 0.05)"
-        else:
-            verdict = "no significant difference"
-        rows.append([p["a"], p["b"], str(p["n"]), str(p["only_a"]), str(p["only_b"]), f"{p['p_value']:.3g}", verdict])
+        on_score = [DASH] * 4
+        if "higher_a" in p:  # summaries written before the score have no score test
+            on_score = [str(p["higher_a"]), str(p["higher_b"]), f"{p['score_p_value']:.3g}",
+                        _verdict(p["a"], p["b"], p["higher_a"], p["higher_b"], p["score_p_value"], "scores higher")]
+        rows.append([p["a"], p["b"], str(p["n"]), str(p["only_a"]), str(p["only_b"]), f"{p['p_value']:.3g}",
+                     _verdict(p["a"], p["b"], p["only_a"], p["only_b"], p["p_value"], "is better"), *on_score])
     return header, rows
 
 
+def run_of(label: str) -> str:
+    """The run a model label names: "demo@7" and "demo" are checkpoints of run "demo"."""
+    return label.split("@", 1)[0]
+
+
+def what_training_changed(summary: dict) -> list[str]:
+    """A sentence for every pair of checkpoints of one run in the evaluation (in the order they were listed, the
+    earlier first, as `make demo` lists the warm start before the final agent): right, hallucinated, "I don't
+    know" and the score, before and after, with the sign test on the score."""
+    models, lines = summary["models"], []
+    for p in summary.get("pairs") or []:
+        a, b = models[p["a"]], models[p["b"]]
+        if run_of(p["a"]) != run_of(p["b"]) or "higher_a" not in p or a.get("score") is None:
+            continue
+        lines.append(
+            f"From {p['a']} to {p['b']}: right {_pct(a['accuracy'])} -> {_pct(b['accuracy'])}, hallucinated "
+            f"{_pct(a['hallucination_rate'])} -> {_pct(b['hallucination_rate'])}, \"I don't know\" "
+            f"{_pct(a['idk_rate'])} -> {_pct(b['idk_rate'])}, score (right minus hallucinated) "
+            f"{a['score']:+.2f} -> {b['score']:+.2f}: higher on {p['higher_b']} questions, lower on {p['higher_a']} "
+            f"(sign test p = {p['score_p_value']:.3g}).")
+    return lines
+
+
 NOTES = ("Accuracy counts errored rollouts (the model's API failed; see Errors) as wrong, with a 95% Wilson "
-         "interval; \"Accuracy of scored\" leaves them out, as do the other means. Valid tool calls = valid calls / "
-         "(calls + turns that made no call). Prompted models are sent tool_choice=\"required\"; trained models "
-         "choose (\"auto\"), as they were trained. Latency is a model's time per episode over all its turns, from "
-         "each request's sending to its reply, at the requests in flight shown under \"How each model played\" "
-         "(the CPU backend decodes them as one batch); waiting for a free slot is not counted. Cost is per 1,000 "
-         "questions and shown only when every scored record has a price.")
+         "interval; \"Accuracy of scored\" leaves them out, as do the other means. Score = right minus "
+         "hallucinated, as shares of all questions (an error counts 0): the task's own score. Valid tool calls = "
+         "valid calls / (calls + turns that made no call). Prompted models are sent tool_choice=\"required\"; "
+         "trained models choose (\"auto\"), as they were trained. Latency is a model's time per episode over all "
+         "its turns, from each request's sending to its reply, at the requests in flight shown under \"How each "
+         "model played\" (the CPU backend decodes them as one batch); waiting for a free slot is not counted. Cost "
+         "is per 1,000 questions and shown only when every scored record has a price.")
 OUTCOME_NOTE = ("Each episode by how close the agent came to the gold email (the one that holds the answer): "
                 "wrong answers after reading it are reading failures, after a search listed it unread choosing "
                 "failures, without it ever listed search failures. With --grounded-answers, an answer naming "
                 "something (a word with a capital or a digit) in no email or search result the agent saw is "
                 "withheld and counts as \"I don't know\"; \"of them right\" says what that cost.")
 PAIR_NOTE = ("Exact McNemar test on correctness over the questions both models played: only the questions one "
-             "got right and the other wrong count. p < 0.05: the difference is unlikely to be chance.")
+             "got right and the other wrong count. The score is +1 for a right answer, -1 for a wrong one "
+             "(hallucinated), 0 for \"I don't know\" or no answer, what the reward ranks; its exact sign test "
+             "counts the questions where one model scored higher. p < 0.05: the difference is unlikely to be chance.")
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -153,6 +186,8 @@ def _markdown(title, records, summary, histories) -> str:
     lines += _md_table(*_comparison_rows(summary))
     lines += ["", NOTES, "", "## How each model played", ""] + _md_table(*_setup_rows(summary))
     lines += ["", "## Where answers went wrong", ""] + _md_table(*_outcome_rows(summary)) + ["", OUTCOME_NOTE]
+    if what_training_changed(summary):
+        lines += ["", "## What training changed", ""] + [f"- {redact(line)}" for line in what_training_changed(summary)]
     if summary.get("pairs"):
         lines += ["", "## Paired comparison", ""] + _md_table(*_pair_rows(summary)) + ["", PAIR_NOTE]
     if histories:
@@ -358,6 +393,7 @@ def _html(title, records, summary, histories) -> str:
              + "</tbody></table>")
     models = summary["models"]
     labels = list(models)
+    changed = what_training_changed(summary)
 
     def bars(key):
         return [(m, models[m][key]) for m in labels]
@@ -377,6 +413,8 @@ def _html(title, records, summary, histories) -> str:
              _html_table(*_setup_rows(summary)),
              "<h2>Where answers went wrong</h2>", _html_table(*_outcome_rows(summary)),
              f"<p class=\"meta\">{_esc(OUTCOME_NOTE)}</p>",
+             *(["<h2>What training changed</h2><ul>", *(f"<li>{_esc(line)}</li>" for line in changed), "</ul>"]
+               if changed else []),
              *(["<h2>Paired comparison</h2>", _html_table(*_pair_rows(summary)),
                 f"<p class=\"meta\">{_esc(PAIR_NOTE)}</p>"]
                if summary.get("pairs") else []),

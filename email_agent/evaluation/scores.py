@@ -72,6 +72,14 @@ def _correct(r: dict) -> bool:
     return not r.get("error") and bool((r.get("metrics") or {}).get("answer_correct"))
 
 
+def score(r: dict) -> int:
+    """The task's own score of one episode, what the reward ranks: +1 right, -1 a wrong answer (hallucinated),
+    0 "I don't know", no answer or an error."""
+    if _correct(r):
+        return 1
+    return -1 if not r.get("error") and (r.get("metrics") or {}).get("hallucinated") else 0
+
+
 # Where each episode ended, by how close the agent came to the gold email: "wrong after reading it" is a
 # reading failure (the answer was in front of the agent), "never listed" a search failure.
 OUTCOMES = {
@@ -119,6 +127,7 @@ def _summarize_model(records: list[dict]) -> dict:
         "accuracy": right / len(records),
         "accuracy_ci": list(wilson_interval(right, len(records))),
         "accuracy_scored": right / len(scored) if scored else None,
+        "score": sum(map(score, records)) / len(records),  # right minus hallucinated, as shares of all questions
         "tool_choice": first.get("tool_choice"),
         "episode": first.get("episode"),
         "backend": first.get("backend"),
@@ -147,16 +156,22 @@ def question_key(r: dict):
 
 
 def paired_comparisons(by_model: dict[str, list[dict]]) -> list[dict]:
-    """For every pair of models, the exact McNemar test on the questions both played (errors count as wrong)."""
+    """For every pair of models, on the questions both played: the exact McNemar test on correctness (errors count
+    as wrong), and the exact sign test on the score (right +1, hallucinated -1, else 0): `higher_a` questions
+    where A scored higher, `higher_b` where B did (the same binomial, over the questions whose scores differ)."""
     correct = {label: {question_key(r): _correct(r) for r in rs} for label, rs in by_model.items()}
+    scores = {label: {question_key(r): score(r) for r in rs} for label, rs in by_model.items()}
     labels, pairs = list(by_model), []
     for i, a in enumerate(labels):
         for b in labels[i + 1:]:
             shared = correct[a].keys() & correct[b].keys()
             only_a = sum(correct[a][q] and not correct[b][q] for q in shared)
             only_b = sum(correct[b][q] and not correct[a][q] for q in shared)
+            higher_a = sum(scores[a][q] > scores[b][q] for q in shared)
+            higher_b = sum(scores[b][q] > scores[a][q] for q in shared)
             pairs.append({"a": a, "b": b, "n": len(shared), "only_a": only_a, "only_b": only_b,
-                          "p_value": mcnemar_exact(only_a, only_b)})
+                          "p_value": mcnemar_exact(only_a, only_b), "higher_a": higher_a, "higher_b": higher_b,
+                          "score_p_value": mcnemar_exact(higher_a, higher_b)})
     return pairs
 
 
@@ -252,6 +267,7 @@ def console_lines(figures: dict) -> list[str]:
     for label, s in figures["models"].items():
         shape = s.get("episode") or {}
         lines.append(f"{label:>32}  accuracy {fmt(s['accuracy'])}  hallucination {fmt(s['hallucination_rate'])}  "
+                     f"score {fmt(s.get('score'), '+.2f')}  "
                      f"turns {fmt(s['avg_turns'], '.1f')}  n={s['n']}  errors {s['n_errors']}  "
                      f"tool_choice {s.get('tool_choice') or 'n/a'}  shape {shape.get('max_turns', '?')} turns/"
                      f"{shape.get('max_tokens', '?')} tokens")
@@ -260,4 +276,10 @@ def console_lines(figures: dict) -> list[str]:
         verdict = f"{leader} is better" if pair["p_value"] < 0.05 else "no significant difference"
         lines.append(f"{pair['a']} vs {pair['b']}: {pair['only_a']} vs {pair['only_b']} questions only one got "
                      f"right, McNemar p={pair['p_value']:.3g}: {verdict}")
+        if "higher_a" in pair:
+            leader = pair["a"] if pair["higher_a"] >= pair["higher_b"] else pair["b"]
+            verdict = f"{leader} scores higher" if pair["score_p_value"] < 0.05 else "no significant difference"
+            lines.append(f"{pair['a']} vs {pair['b']} on the score (right +1, hallucinated -1): higher on "
+                         f"{pair['higher_a']} vs {pair['higher_b']} questions, sign test "
+                         f"p={pair['score_p_value']:.3g}: {verdict}")
     return lines
