@@ -186,8 +186,9 @@ def _markdown(title, records, summary, histories) -> str:
     lines += _md_table(*_comparison_rows(summary))
     lines += ["", NOTES, "", "## How each model played", ""] + _md_table(*_setup_rows(summary))
     lines += ["", "## Where answers went wrong", ""] + _md_table(*_outcome_rows(summary)) + ["", OUTCOME_NOTE]
-    if what_training_changed(summary):
-        lines += ["", "## What training changed", ""] + [f"- {redact(line)}" for line in what_training_changed(summary)]
+    changed = what_training_changed(summary)
+    if changed:
+        lines += ["", "## What training changed", ""] + [f"- {redact(line)}" for line in changed]
     if summary.get("pairs"):
         lines += ["", "## Paired comparison", ""] + _md_table(*_pair_rows(summary)) + ["", PAIR_NOTE]
     if histories:

@@ -105,7 +105,6 @@ def parser_kept_all(text: str) -> bool:
     calls = list(_TOOL_CALL.finditer(text))
     if not calls:
         return True  # no call parsed: the content is the text itself
-    outside = text[calls[0].start():]
     for match in calls:
         body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
         try:
@@ -114,11 +113,9 @@ def parser_kept_all(text: str) -> bool:
             return True  # unparsable: vLLM then returns the whole text as the content
         if not isinstance(call, dict) or list(call) != ["name", "arguments"]:
             return False
-        rendered = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
-        if body != rendered:
+        if body != json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False):
             return False
-        outside = outside.replace(match.group(0), "", 1)
-    return not outside.strip()
+    return not _TOOL_CALL.sub("", text[calls[0].start():]).strip()
 
 
 def sampled_ids(choice: Choice) -> list[int] | None:
@@ -130,18 +127,19 @@ def sampled_ids(choice: Choice) -> list[int] | None:
     return [int(token.removeprefix("token_id:")) for token in tokens]
 
 
+def _parser_dropped(choice: Choice, tokenizer) -> bool:
+    """Whether a sampled Choice's calls hold more than the parser kept (readable with a tokenizer and token ids)."""
+    ids = sampled_ids(choice) if tokenizer and choice.message.tool_calls else None
+    return ids is not None and not parser_kept_all(tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def _items(items: list, form: ArgumentForm, tokenizer=None) -> list:
     """Sampled Choices without their parsed tool calls (their tokens hold them); Choices with no sampled tokens
     (a scripted expert's, a teacher's), sampled ones the parser kept only part of (when a `tokenizer` can read
     them), and dict messages as chat messages with arguments in `form`."""
     out = []
     for item in items:
-        if isinstance(item, Choice) and item.logprobs is not None and item.message.tool_calls and tokenizer:
-            ids = sampled_ids(item)
-            if ids is not None and not parser_kept_all(tokenizer.decode(ids, skip_special_tokens=True)):
-                out.append(_message(get_messages([item])[0], form))
-                continue
-        if isinstance(item, Choice) and item.logprobs is not None:
+        if isinstance(item, Choice) and item.logprobs is not None and not _parser_dropped(item, tokenizer):
             if item.message.tool_calls:
                 item = item.model_copy(update={"message": item.message.model_copy(update={"tool_calls": None})})
             out.append(item)
