@@ -1,20 +1,30 @@
 """Benchmark: does the agent learn? Base -> supervised warm start -> GRPO, on the demo inbox, CPU, offline.
 
-    python bench/bench_learning.py                 # the full run (targets below)
-    python bench/bench_learning.py --quick         # a smoke run of the same pipeline, a few minutes
+    python bench/bench_learning.py --demo-preset --seeds 0 1 2   # make demo's training, three seeds (issue 55)
+    python bench/bench_learning.py                               # issue 12's longer training (targets below)
+    python bench/bench_learning.py --quick                       # a smoke run of the same pipeline, a few minutes
 
-Runs the real commands, as a user would: build-db --demo; train --sft-only (warm start from the scripted
-demo expert on the *train* split: its successful episodes and its abstentions, two epochs at the demo preset's
-constant 1e-3, as in runs Q and Q1); train again (the same run resumes with GRPO, sampled at temperature
-1.0 as in run T1); then one evaluation of the warm-started checkpoint and the final checkpoint (and the
-base model with --with-base) on held-out *test* questions (all 144 of the demo inbox's), which writes the
-usual report (before/after table with 95% CIs, learning curve). Prints the table, an exact McNemar test of
-final vs. warm start on the same questions, the validation curve, and the wall time of each phase.
+Runs the real commands, as a user would: build-db --demo; train --sft-only (the warm start from the scripted
+demo expert on the *train* split); train again (the same run resumes with GRPO); then one evaluation of the
+warm-started checkpoint and the final checkpoint (and the base model with --with-base) on held-out *test*
+questions, which writes the usual report. Prints, per seed, the table, exact paired tests of final vs. warm
+start on the same questions (McNemar on right answers; a sign test on the score, right +1 and hallucinated
+-1), the validation curve and the wall time of each phase; then both tests pooled over the seeds.
+
+--demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 6 GRPO
+steps of 2 groups x 4 rollouts, validation on 8 questions; the training flags below are then ignored), on
+--test-questions 100 by default. Issue 55's targets: pooled over at least 3 seeds, the score higher with
+p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
+independently, but one question's difficulty is shared by its three pairs.
+
+Without it, issue 12's bench: two warm-start epochs, 10 GRPO steps of 6 groups, all 144 test questions.
 Targets (issue 12): final accuracy >= 60%, hallucination <= 15%, valid tool calls >= 95% (turns without a
-call count as invalid), GRPO beats the warm start with p < 0.05, within 45 minutes on 2 cores. The evaluation
-uses the grounding check (--grounded-answers; runs F-W did not): the table's hallucination counts an answer
-naming something in nothing the agent saw as "I don't know", and the figures without the check follow it.
-Report every run, not the best one.
+call count as invalid), GRPO beats the warm start with p < 0.05, within 45 minutes on 2 cores.
+
+The evaluation uses the grounding check (--grounded-answers; runs F-W did not): the table's hallucination
+counts an answer naming something in nothing the agent saw as "I don't know", and the figures without the
+check follow it. A seed whose report exists is not run again, and one whose run stopped resumes it (delete
+seed-N/ to start it over; another --work for other settings). Report every run, not the best one.
 """
 
 from __future__ import annotations
@@ -30,11 +40,18 @@ sys.path.insert(0, str(ROOT))
 
 from shared import add_training_flags, answers_by_model, paired_test, print_table, run
 
+from email_agent.evaluation.scores import mcnemar_exact
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
-    add_training_flags(parser, test_questions=144, sft_limit=0, sft_epochs=2, rl_steps=10)
+    parser.add_argument("--demo-preset", action="store_true",
+                        help="train as make demo does (the demo preset); the training flags below are ignored")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="training seeds, one run each (validation split, warm-start order, LoRA init, "
+                             "sampling; the test questions stay), pooled at the end")
+    add_training_flags(parser, test_questions=None, sft_limit=0, sft_epochs=2, rl_steps=10)
     parser.add_argument("--advantage-balance", type=float, default=0.5,
                         help="ART's advantage_balance: negative advantages weigh 1 - this "
                              "(run I, at 0, learned to abstain)")
@@ -54,12 +71,9 @@ def main() -> None:
                              "most questions alike four times in four: only a third of the groups had reward variance)")
     parser.add_argument("--eval-every", type=int, default=14, help="RL steps between validations (and after the last)")
     parser.add_argument("--concurrency", type=int, default=16,
-                        help="rollouts decoded as one batch (training and evaluation)")
+                        help="rollouts decoded as one batch (training; the evaluation plays 48 at once)")
     parser.add_argument("--cpu-train-threads", type=int, default=0,
                         help="training threads (default: all cores; 1 when other jobs share the machine)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="training seed: validation split, warm-start order, LoRA init, sampling "
-                             "(test questions stay)")
     parser.add_argument("--grounded-answers", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate with the grounding check: answers naming something in no email or search "
                              "result the agent saw count as \"I don't know\" (runs F-W: without; the bench prints "
@@ -71,60 +85,106 @@ def main() -> None:
     parser.add_argument("--with-base", action="store_true", help="evaluate the untrained base model too (0%% so far)")
     parser.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, not the targets")
     args = parser.parse_args()
+    args.test_questions = args.test_questions or (100 if args.demo_preset else 144)
     if args.quick:
         args.test_questions, args.sft_limit, args.sft_epochs, args.rl_steps = 8, 8, 1, 1
     work = args.work.resolve()
-    db, art_dir = work / "demo.db", work / "art"
-    shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
-    train = ["train_email_search_agent.py", "train", "--demo", "--db", str(db), "--art-dir", str(art_dir),
-             "--name", "learn", "--keep-checkpoints", "all", "--val-size", "16", *shape,
-             "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs),
-             "--sft-learning-rate", str(args.sft_learning_rate),
-             "--cpu-train-threads", str(args.cpu_train_threads), "--seed", str(args.seed), "--backend", args.backend,
-             *(["--base-model", args.base_model] if args.base_model else [])]
-    times = {}
+    db = work / "demo.db"
     started = time.perf_counter()
-    times["build"] = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")
-    times["sft"] = run("warm start", *train, "--fresh", "--sft-only")
-    run_dir = art_dir / "email-agent" / "models" / "learn"
-    sft_step = max(int(p.name) for p in (run_dir / "checkpoints").iterdir())
+    build = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")
+    pairs = {}
+    for seed in args.seeds:
+        pairs[seed] = bench_seed(args, seed, db, work / f"seed-{seed}")
+    if len(pairs) > 1:
+        print_pooled(pairs)
+    print(f"\nbuild {build / 60:.1f} min; all {time.perf_counter() - started:.0f} s in this invocation")
+
+
+def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str], list[list[str]]]:
+    """(the warm start's train command, the GRPO phase's commands): the same run, resumed."""
+    common = ["train_email_search_agent.py", "train", "--demo", "--db", str(db), "--art-dir", str(art_dir),
+              "--name", "learn", "--keep-checkpoints", "all", "--seed", str(seed), "--backend", args.backend,
+              "--cpu-train-threads", str(args.cpu_train_threads),
+              *(["--base-model", args.base_model] if args.base_model else [])]
+    if args.demo_preset and not args.quick:
+        return [*common, "--sft-only"], [common]
+    shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
+    train = [*common, "--val-size", "16", *shape, "--sft-limit", str(args.sft_limit),
+             "--sft-epochs", str(args.sft_epochs), "--sft-learning-rate", str(args.sft_learning_rate)]
     grpo = [*train, "--groups-per-step", str(args.groups_per_step), "--rollouts-per-group", "4",
             "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),
             "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
             "--hallucination-penalty", str(args.hallucination_penalty), "--concurrency", str(args.concurrency),
             "--unanswerable-share", str(args.unanswerable_share)]
     first_steps = args.rl_steps - args.scaled_steps
-    times["rl"] = run("GRPO", *grpo, "--max-steps", str(first_steps),
-                      "--scale-rewards" if args.scale_rewards else "--no-scale-rewards")
+    scaled = "--scale-rewards" if args.scale_rewards else "--no-scale-rewards"
+    phases = [[*grpo, "--max-steps", str(first_steps), scaled]]
     if args.scaled_steps:  # the run resumes where the first phase stopped
-        times["rl"] += run("GRPO, std-scaled", *grpo, "--max-steps", str(args.rl_steps), "--scale-rewards")
-    models = (["--model", "base", *(["--base-model", args.base_model] if args.base_model else [])] if args.with_base
-              else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
-    times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
-                            *models, "--limit", str(args.test_questions), "--output", str(work / "report"),
-                            "--concurrency", str(args.concurrency), *shape,
-                            *(["--grounded-answers"] if args.grounded_answers else []))
-    total = time.perf_counter() - started
+        phases.append([*grpo, "--max-steps", str(args.rl_steps), "--scale-rewards"])
+    return [*train, "--sft-only"], phases
 
-    summary = json.loads((work / "report" / "summary.json").read_text())["models"]
-    print_table(summary, "held-out test questions (demo inbox), offline grading")
-    if args.grounded_answers:
+
+def bench_seed(args, seed: int, db: Path, work: Path) -> dict:
+    """One seed's warm start, GRPO and evaluation (or its report, if one was written); its final-vs-warm pair."""
+    report, art_dir = work / "report", work / "art"
+    run_dir = art_dir / "email-agent" / "models" / "learn"
+    print(f"\n===== seed {seed}: {work}", flush=True)
+    if not (report / "summary.json").exists():
+        warm_start, phases = train_commands(args, seed, db, art_dir)
+        times = {"sft": run(f"warm start, seed {seed}", *warm_start)}
+        times["rl"] = sum(run(f"GRPO, seed {seed}", *phase) for phase in phases)
+        sft_step = json.loads((run_dir / "state.json").read_text())["sft_steps"]
+        models = (["--model", "base", *(["--base-model", args.base_model] if args.base_model else [])]
+                  if args.with_base else []) + ["--model", f"learn@{sft_step}", "--model", "learn@latest"]
+        times["evaluate"] = run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir),
+                                *models, "--limit", str(args.test_questions), "--output", str(report),
+                                "--concurrency", "48", *(["--grounded-answers"] if args.grounded_answers else []))
+        print("wall time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()))
+    else:
+        print(f"(its report exists: not run again; delete {work} to start it over)")
+    summary = json.loads((report / "summary.json").read_text())
+    print_table(summary["models"], f"seed {seed}: held-out test questions (demo inbox), offline grading")
+    if summary["models"] and next(iter(summary["models"].values()))["grounded_answers"]:
         print("\nwithout the grounding check (each withheld answer graded as the agent gave it):")
-        for label, s in summary.items():
+        for label, s in summary["models"].items():
             counts, right = s["outcomes"], s["withheld_right"]
             wrong = counts["wrong_read"] + counts["wrong_listed"] + counts["wrong_unseen"] + counts["withheld"] - right
             print(f"  {label}: {counts['withheld']} answers withheld, {right} of them right; accuracy "
                   f"{(counts['right'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
-    correct, warm = answers_by_model(work / "report" / "results.jsonl"), f"learn@{sft_step}"
+    correct = answers_by_model(report / "results.jsonl")
+    warm = f"learn@{json.loads((run_dir / 'state.json').read_text())['sft_steps']}"
     final = next((m for m in correct if m.startswith("learn@") and m != warm), None)
-    print(paired_test(correct, final, warm) + " (target < 0.05, final better)")
+    print(paired_test(correct, final, warm) + " (target: final better)")
+    pair = next(p for p in summary["pairs"] if {p["a"], p["b"]} == {warm, final})
+    final_first = pair["a"] == final
+    pair = {"n": pair["n"], "right_final": pair["only_a" if final_first else "only_b"],
+            "right_warm": pair["only_b" if final_first else "only_a"],
+            "higher_final": pair["higher_a" if final_first else "higher_b"],
+            "higher_warm": pair["higher_b" if final_first else "higher_a"],
+            "score_final": summary["models"][final]["score"], "score_warm": summary["models"][warm]["score"]}
+    print(f"score (right +1, hallucinated -1): warm start {pair['score_warm']:+.2f}, final {pair['score_final']:+.2f}; "
+          f"final higher on {pair['higher_final']} questions, lower on {pair['higher_warm']}, "
+          f"sign test p = {mcnemar_exact(pair['higher_final'], pair['higher_warm']):.3g}")
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line.strip()]
     val = [(row["step"], row["val/reward"], row.get("val/answer_correct")) for row in history if "val/reward" in row]
-    print(f"\nvalidation (step, val/reward, val/answer_correct; warm start ends at step {sft_step}): "
+    print("validation (step, val/reward, val/answer_correct): "
           + ", ".join(f"({s}, {r:+.3f}, {a:.0%})" for s, r, a in val))
-    print("wall time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items())
-          + f", total {total / 60:.1f} min (target <= 45)")
-    print(f"report: {work / 'report' / 'report.html'}")
+    print(f"report: {report / 'report.html'}")
+    return pair
+
+
+def print_pooled(pairs: dict[int, dict]) -> None:
+    """Final vs. warm start over all seeds' (seed, question) pairs: the exact tests on the summed counts."""
+    total = {key: sum(p[key] for p in pairs.values()) for key in ("n", "right_final", "right_warm", "higher_final",
+                                                                  "higher_warm")}
+    print(f"\n===== pooled over seeds {', '.join(map(str, pairs))} ({total['n']} question pairs)")
+    print(f"score higher after GRPO on {total['higher_final']}, lower on {total['higher_warm']}: sign test "
+          f"p = {mcnemar_exact(total['higher_final'], total['higher_warm']):.3g} (target < 0.05, final higher)")
+    print(f"right only after GRPO on {total['right_final']}, only in the warm start on {total['right_warm']}: McNemar "
+          f"p = {mcnemar_exact(total['right_final'], total['right_warm']):.3g} (target: right answers not fewer)")
+    mean = sum(p["score_final"] - p["score_warm"] for p in pairs.values()) / len(pairs)
+    print("score change per seed: " + ", ".join(f"seed {s} {p['score_warm']:+.2f} -> {p['score_final']:+.2f}"
+                                                 for s, p in pairs.items()) + f" (mean {mean:+.3f})")
 
 
 if __name__ == "__main__":
