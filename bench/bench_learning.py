@@ -13,7 +13,8 @@ start on the same questions (McNemar on right answers; a sign test on the score,
 
 --demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 6 GRPO
 steps of 2 groups x 4 rollouts, validation on 8 questions; the training flags below are then ignored), on
---test-questions 100 by default. Issue 55's targets: pooled over at least 3 seeds, the score higher with
+--test-questions 100 by default; --groups-per-step N widens its GRPO steps (run Y0-g6: 6).
+Issue 55's targets: pooled over at least 3 seeds, the score higher with
 p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
 independently, but one question's difficulty is shared by its three pairs.
 
@@ -47,7 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--demo-preset", action="store_true",
-                        help="train as make demo does (the demo preset); the training flags below are ignored")
+                        help="train as make demo does (the demo preset); the training flags below are ignored but "
+                             "--groups-per-step, when given")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="training seeds, one run each (validation split, warm-start order, LoRA init, "
                              "sampling; the test questions stay), pooled at the end")
@@ -65,7 +67,8 @@ def main() -> None:
                         help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
                         help="share of GRPO questions asked before their gold email arrived (run O)")
-    parser.add_argument("--groups-per-step", type=int, default=6)
+    parser.add_argument("--groups-per-step", type=int, default=None,
+                        help="GRPO groups of 4 rollouts a step (default 6; with --demo-preset, the preset's 2)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="GRPO rollouts' sampling temperature (at 0.7, runs F-S, the two-epoch warm start played "
                              "most questions alike four times in four: only a third of the groups had reward variance)")
@@ -106,12 +109,14 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
               "--name", "learn", "--keep-checkpoints", "all", "--seed", str(seed), "--backend", args.backend,
               "--cpu-train-threads", str(args.cpu_train_threads),
               *(["--base-model", args.base_model] if args.base_model else [])]
-    if args.demo_preset and not args.quick:
-        return [*common, "--sft-only"], [common]
+    if args.demo_preset and not args.quick:  # a wider step plays its groups at once, as the preset's 2 x 4 are
+        wider = (["--groups-per-step", str(args.groups_per_step), "--concurrency", str(4 * args.groups_per_step)]
+                 if args.groups_per_step else [])
+        return [*common, "--sft-only"], [[*common, *wider]]
     shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
     train = [*common, "--val-size", "16", *shape, "--sft-limit", str(args.sft_limit),
              "--sft-epochs", str(args.sft_epochs), "--sft-learning-rate", str(args.sft_learning_rate)]
-    grpo = [*train, "--groups-per-step", str(args.groups_per_step), "--rollouts-per-group", "4",
+    grpo = [*train, "--groups-per-step", str(args.groups_per_step or 6), "--rollouts-per-group", "4",
             "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),
             "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
             "--hallucination-penalty", str(args.hallucination_penalty), "--concurrency", str(args.concurrency),
