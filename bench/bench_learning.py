@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared import add_training_flags, answers_by_model, paired_test, print_table, run
+from shared import add_training_flags, print_table, run
 
 from email_agent.evaluation.scores import mcnemar_exact
 
@@ -156,10 +156,8 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> dict:
             wrong = counts["wrong_read"] + counts["wrong_listed"] + counts["wrong_unseen"] + counts["withheld"] - right
             print(f"  {label}: {counts['withheld']} answers withheld, {right} of them right; accuracy "
                   f"{(counts['right'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
-    correct = answers_by_model(report / "results.jsonl")
     warm = f"learn@{json.loads((run_dir / 'state.json').read_text())['sft_steps']}"
-    final = next((m for m in correct if m.startswith("learn@") and m != warm), None)
-    print(paired_test(correct, final, warm) + " (target: final better)")
+    final = next(m for m in summary["models"] if m.startswith("learn@") and m != warm)
     pair = next(p for p in summary["pairs"] if {p["a"], p["b"]} == {warm, final})
     final_first = pair["a"] == final
     pair = {"n": pair["n"], "right_final": pair["only_a" if final_first else "only_b"],
@@ -167,6 +165,9 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> dict:
             "higher_final": pair["higher_a" if final_first else "higher_b"],
             "higher_warm": pair["higher_b" if final_first else "higher_a"],
             "score_final": summary["models"][final]["score"], "score_warm": summary["models"][warm]["score"]}
+    print(f"\n{final} vs. {warm} on the same {pair['n']} questions: {final} alone right on {pair['right_final']}, "
+          f"{warm} alone right on {pair['right_warm']}; exact McNemar p = "
+          f"{mcnemar_exact(pair['right_final'], pair['right_warm']):.3g} (target: final better)")
     print(f"score (right +1, hallucinated -1): warm start {pair['score_warm']:+.2f}, final {pair['score_final']:+.2f}; "
           f"final higher on {pair['higher_final']} questions, lower on {pair['higher_warm']}, "
           f"sign test p = {mcnemar_exact(pair['higher_final'], pair['higher_warm']):.3g}")
