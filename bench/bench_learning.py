@@ -112,7 +112,8 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
     if args.demo_preset and not args.quick:  # a wider step plays its groups at once, as the preset's 2 x 4 are
         wider = (["--groups-per-step", str(args.groups_per_step), "--concurrency", str(4 * args.groups_per_step)]
                  if args.groups_per_step else [])
-        return [*common, "--sft-only"], [[*common, *wider]]
+        # the warm start takes them too: a resumed seed (GRPO begun) must keep its batch size (runs.GRPO_KEEPS)
+        return [*common, *wider, "--sft-only"], [[*common, *wider]]
     shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
     train = [*common, "--val-size", "16", *shape, "--sft-limit", str(args.sft_limit),
              "--sft-epochs", str(args.sft_epochs), "--sft-learning-rate", str(args.sft_learning_rate)]
