@@ -13,7 +13,8 @@ start on the same questions (McNemar on right answers; a sign test on the score,
 
 --demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 6 GRPO
 steps of 2 groups x 4 rollouts, validation on 8 questions; the training flags below are then ignored), on
---test-questions 100 by default; --groups-per-step N widens its GRPO steps (run Y0-g6: 6).
+--test-questions 100 by default, and prints the two checkpoints on make demo's own 50 questions (the first 50)
+against issue 55's targets for the main job too; --groups-per-step N widens its GRPO steps (runs Y0-g6, g6: 6).
 Issue 55's targets: pooled over at least 3 seeds, the score higher with
 p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
 independently, but one question's difficulty is shared by its three pairs.
@@ -41,7 +42,11 @@ sys.path.insert(0, str(ROOT))
 
 from shared import add_training_flags, print_table, run
 
-from email_agent.evaluation.scores import mcnemar_exact
+from email_agent.data.email_db import EmailDB
+from email_agent.data.questions import select_questions
+from email_agent.evaluation.scores import mcnemar_exact, read_results, summarize
+
+DEMO_QUESTIONS = 50  # make demo's --limit
 
 
 def main() -> None:
@@ -172,12 +177,36 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> dict:
     print(f"score (right +1, hallucinated -1): warm start {pair['score_warm']:+.2f}, final {pair['score_final']:+.2f}; "
           f"final higher on {pair['higher_final']} questions, lower on {pair['higher_warm']}, "
           f"sign test p = {mcnemar_exact(pair['higher_final'], pair['higher_warm']):.3g}")
+    if args.demo_preset and args.test_questions > DEMO_QUESTIONS:
+        print_demo_targets(report, db, warm, final)
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines() if line.strip()]
     val = [(row["step"], row["val/reward"], row.get("val/answer_correct")) for row in history if "val/reward" in row]
     print("validation (step, val/reward, val/answer_correct): "
           + ", ".join(f"({s}, {r:+.3f}, {a:.0%})" for s, r, a in val))
     print(f"report: {report / 'report.html'}")
     return pair
+
+
+def print_demo_targets(report: Path, db: Path, warm: str, final: str) -> None:
+    """The same two checkpoints on `make demo`'s own 50 questions (the evaluation's first 50 after its seeded
+    shuffle, which the bench's first 100 begin with), against issue 55's targets for the main job."""
+    ids = {q.id for q in select_questions(EmailDB(str(db)), "test", seed=0, limit=DEMO_QUESTIONS)}
+    records, _ = read_results(report / "results.jsonl")
+    figures = summarize([r for r in records if r["question_id"] in ids and r["model"] in (warm, final)])
+    w, f = figures["models"][warm], figures["models"][final]
+    (pair,) = figures["pairs"]
+    final_first = pair["a"] == final
+    higher, lower = (pair["higher_a"], pair["higher_b"]) if final_first else (pair["higher_b"], pair["higher_a"])
+    right_w, right_f = round(w["accuracy"] * w["n"]), round(f["accuracy"] * f["n"])
+    print(f"\nmake demo's {w['n']} questions: warm start {w['accuracy']:.0%} right / {w['hallucination_rate']:.0%} "
+          f"hallucinated / {w['idk_rate']:.0%} \"I don't know\", score {w['score']:+.2f}; final {f['accuracy']:.0%} / "
+          f"{f['hallucination_rate']:.0%} / {f['idk_rate']:.0%}, score {f['score']:+.2f} (higher on {higher} "
+          f"questions, lower on {lower}, p = {mcnemar_exact(higher, lower):.3g})")
+    checks = [("score higher", f["score"] > w["score"]), (f"at most 2 fewer right ({right_w} -> {right_f})",
+              right_f >= right_w - 2), (f"hallucination <= 15% ({f['hallucination_rate']:.0%})",
+              f["hallucination_rate"] <= 0.15)]
+    print("issue 55's targets for the main job: " + "; ".join(f"{name} {'met' if ok else 'MISSED'}"
+                                                               for name, ok in checks))
 
 
 def print_pooled(pairs: dict[int, dict]) -> None:
