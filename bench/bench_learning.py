@@ -14,7 +14,8 @@ start on the same questions (McNemar on right answers; a sign test on the score,
 --demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 6 GRPO
 steps of 2 groups x 4 rollouts, validation on 8 questions; the training flags below are then ignored), on
 --test-questions 100 by default, and prints the two checkpoints on make demo's own 50 questions (the first 50)
-against issue 55's targets for the main job too; --groups-per-step N widens its GRPO steps (runs Y0-g6, g6: 6).
+against issue 55's targets for the main job too; --groups-per-step N widens its GRPO steps (runs Y0-g6, g6: 6),
+--hallucination-penalty changes what a wrong answer costs (runs H1-1, H1-2: 1).
 Issue 55's targets: pooled over at least 3 seeds, the score higher with
 p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
 independently, but one question's difficulty is shared by its three pairs.
@@ -68,8 +69,9 @@ def main() -> None:
     parser.add_argument("--scaled-steps", type=int, default=0,
                         help="end with this many of the --rl-steps std-scaled (ART's default), "
                              "after the others (runs M, N)")
-    parser.add_argument("--hallucination-penalty", type=float, default=1.0,
-                        help="what a wrong answer costs in the reward (1 as in ART·E; runs K, K2)")
+    parser.add_argument("--hallucination-penalty", type=float, default=None,
+                        help="what a wrong answer costs in the reward (default 1 as in ART·E, runs K, K2; with "
+                             "--demo-preset, the preset's 2; runs H1-1, H1-2: 1)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
                         help="share of GRPO questions asked before their gold email arrived (run O)")
     parser.add_argument("--groups-per-step", type=int, default=None,
@@ -114,18 +116,20 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
               "--name", "learn", "--keep-checkpoints", "all", "--seed", str(seed), "--backend", args.backend,
               "--cpu-train-threads", str(args.cpu_train_threads),
               *(["--base-model", args.base_model] if args.base_model else [])]
-    if args.demo_preset and not args.quick:  # a wider step plays its groups at once, as the preset's 2 x 4 are
-        wider = (["--groups-per-step", str(args.groups_per_step), "--concurrency", str(4 * args.groups_per_step)]
+    if args.demo_preset and not args.quick:  # a flags step plays its groups at once, as the preset's 2 x 4 are
+        flags = (["--groups-per-step", str(args.groups_per_step), "--concurrency", str(4 * args.groups_per_step)]
                  if args.groups_per_step else [])
+        if args.hallucination_penalty is not None:
+            flags += ["--hallucination-penalty", str(args.hallucination_penalty)]
         # the warm start takes them too: a resumed seed (GRPO begun) must keep its batch size (runs.GRPO_KEEPS)
-        return [*common, *wider, "--sft-only"], [[*common, *wider]]
+        return [*common, *flags, "--sft-only"], [[*common, *flags]]
     shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
     train = [*common, "--val-size", "16", *shape, "--sft-limit", str(args.sft_limit),
              "--sft-epochs", str(args.sft_epochs), "--sft-learning-rate", str(args.sft_learning_rate)]
     grpo = [*train, "--groups-per-step", str(args.groups_per_step or 6), "--rollouts-per-group", "4",
             "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),
             "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
-            "--hallucination-penalty", str(args.hallucination_penalty), "--concurrency", str(args.concurrency),
+            "--hallucination-penalty", str(args.hallucination_penalty or 1.0), "--concurrency", str(args.concurrency),
             "--unanswerable-share", str(args.unanswerable_share)]
     first_steps = args.rl_steps - args.scaled_steps
     scaled = "--scale-rewards" if args.scale_rewards else "--no-scale-rewards"
