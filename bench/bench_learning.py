@@ -116,7 +116,7 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
               "--name", "learn", "--keep-checkpoints", "all", "--seed", str(seed), "--backend", args.backend,
               "--cpu-train-threads", str(args.cpu_train_threads),
               *(["--base-model", args.base_model] if args.base_model else [])]
-    if args.demo_preset and not args.quick:  # a flags step plays its groups at once, as the preset's 2 x 4 are
+    if args.demo_preset and not args.quick:  # a wider step plays its groups at once, as the preset's 2 x 4 are
         flags = (["--groups-per-step", str(args.groups_per_step), "--concurrency", str(4 * args.groups_per_step)]
                  if args.groups_per_step else [])
         if args.hallucination_penalty is not None:
