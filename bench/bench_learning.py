@@ -123,13 +123,14 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
             flags += ["--hallucination-penalty", str(args.hallucination_penalty)]
         # the warm start takes them too: a resumed seed (GRPO begun) must keep its batch size (runs.GRPO_KEEPS)
         return [*common, *flags, "--sft-only"], [[*common, *flags]]
+    penalty = 1.0 if args.hallucination_penalty is None else args.hallucination_penalty  # ART·E's
     shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
     train = [*common, "--val-size", "16", *shape, "--sft-limit", str(args.sft_limit),
              "--sft-epochs", str(args.sft_epochs), "--sft-learning-rate", str(args.sft_learning_rate)]
     grpo = [*train, "--groups-per-step", str(args.groups_per_step or 6), "--rollouts-per-group", "4",
             "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),
             "--advantage-balance", str(args.advantage_balance), "--temperature", str(args.temperature),
-            "--hallucination-penalty", str(args.hallucination_penalty or 1.0), "--concurrency", str(args.concurrency),
+            "--hallucination-penalty", str(penalty), "--concurrency", str(args.concurrency),
             "--unanswerable-share", str(args.unanswerable_share)]
     first_steps = args.rl_steps - args.scaled_steps
     scaled = "--scale-rewards" if args.scale_rewards else "--no-scale-rewards"
@@ -168,13 +169,7 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> dict:
                   f"{(counts['right'] + right) / s['n']:.1%}, hallucination {wrong / s['n_scored']:.1%}")
     warm = f"learn@{json.loads((run_dir / 'state.json').read_text())['sft_steps']}"
     final = next(m for m in summary["models"] if m.startswith("learn@") and m != warm)
-    pair = next(p for p in summary["pairs"] if {p["a"], p["b"]} == {warm, final})
-    final_first = pair["a"] == final
-    pair = {"n": pair["n"], "right_final": pair["only_a" if final_first else "only_b"],
-            "right_warm": pair["only_b" if final_first else "only_a"],
-            "higher_final": pair["higher_a" if final_first else "higher_b"],
-            "higher_warm": pair["higher_b" if final_first else "higher_a"],
-            "score_final": summary["models"][final]["score"], "score_warm": summary["models"][warm]["score"]}
+    pair = final_vs_warm(summary, warm, final)
     print(f"\n{final} vs. {warm} on the same {pair['n']} questions: {final} alone right on {pair['right_final']}, "
           f"{warm} alone right on {pair['right_warm']}; exact McNemar p = "
           f"{mcnemar_exact(pair['right_final'], pair['right_warm']):.3g} (target: final better)")
@@ -191,6 +186,17 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> dict:
     return pair
 
 
+def final_vs_warm(summary: dict, warm: str, final: str) -> dict:
+    """The evaluation's pair of the two checkpoints, its counts named for which checkpoint they favour."""
+    pair = next(p for p in summary["pairs"] if {p["a"], p["b"]} == {warm, final})
+    final_first = pair["a"] == final
+    return {"n": pair["n"], "right_final": pair["only_a" if final_first else "only_b"],
+            "right_warm": pair["only_b" if final_first else "only_a"],
+            "higher_final": pair["higher_a" if final_first else "higher_b"],
+            "higher_warm": pair["higher_b" if final_first else "higher_a"],
+            "score_final": summary["models"][final]["score"], "score_warm": summary["models"][warm]["score"]}
+
+
 def print_demo_targets(report: Path, db: Path, warm: str, final: str) -> None:
     """The same two checkpoints on `make demo`'s own 50 questions (the evaluation's first 50 after its seeded
     shuffle, which the bench's first 100 begin with), against issue 55's targets for the main job."""
@@ -198,10 +204,9 @@ def print_demo_targets(report: Path, db: Path, warm: str, final: str) -> None:
     records, _ = read_results(report / "results.jsonl")
     figures = summarize([r for r in records if r["question_id"] in ids and r["model"] in (warm, final)])
     w, f = figures["models"][warm], figures["models"][final]
-    (pair,) = figures["pairs"]
-    final_first = pair["a"] == final
-    higher, lower = (pair["higher_a"], pair["higher_b"]) if final_first else (pair["higher_b"], pair["higher_a"])
-    right_w, right_f = round(w["accuracy"] * w["n"]), round(f["accuracy"] * f["n"])
+    pair = final_vs_warm(figures, warm, final)
+    higher, lower = pair["higher_final"], pair["higher_warm"]
+    right_w, right_f = w["outcomes"]["right"], f["outcomes"]["right"]
     print(f"\nmake demo's {w['n']} questions: warm start {w['accuracy']:.0%} right / {w['hallucination_rate']:.0%} "
           f"hallucinated / {w['idk_rate']:.0%} \"I don't know\", score {w['score']:+.2f}; final {f['accuracy']:.0%} / "
           f"{f['hallucination_rate']:.0%} / {f['idk_rate']:.0%}, score {f['score']:+.2f} (higher on {higher} "
