@@ -32,8 +32,8 @@ from email_agent.data import build, generate
 from email_agent import backends, cli, runs
 from email_agent.agent.rewards import valid_tool_call_rate
 from email_agent.evaluation import players
-from email_agent.config import (DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir,
-                                saved_config)
+from email_agent.config import (DEFAULT_DB, DEMO_DB, DEMO_PRESET, TrainConfig, check, config_from_args, cpu_preset,
+                                run_dir, saved_config)
 from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB, check_day, visible_until
 
@@ -281,11 +281,12 @@ async def say_what_a_cpu_step_costs(plan, policy, max_batch_size: int) -> None:
 
     cfg = plan.config
     rollouts = cfg.groups_per_step * cfg.rollouts_per_group
-    if rollouts > 16:
+    preset_rollouts = DEMO_PRESET["groups_per_step"] * DEMO_PRESET["rollouts_per_group"]
+    if rollouts > preset_rollouts:
         started = time.perf_counter()
         await plan.rollout(policy, plan.rl_questions[0], plan.db, plan.episode)
-        print(step_health.cpu_step_note(time.perf_counter() - started, rollouts, min(cfg.concurrency, max_batch_size)),
-              file=sys.stderr, flush=True)
+        print(step_health.cpu_step_note(time.perf_counter() - started, rollouts, min(cfg.concurrency, max_batch_size),
+                                        preset_rollouts), file=sys.stderr, flush=True)
 
 
 def train_command(args) -> None:

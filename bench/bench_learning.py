@@ -12,10 +12,11 @@ start on the same questions (McNemar on right answers; a sign test on the score,
 -1), the validation curve and the wall time of each phase; then both tests pooled over the seeds.
 
 --demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 6 GRPO
-steps of 2 groups x 4 rollouts, validation on 8 questions; the training flags below are then ignored), on
---test-questions 100 by default, and prints the two checkpoints on make demo's own 50 questions (the first 50)
-against issue 55's targets for the main job too; --groups-per-step N widens its GRPO steps (runs Y0-g6, g6: 6),
---hallucination-penalty changes what a wrong answer costs (runs H1-1, H1-2: 1).
+steps of 6 groups x 4 rollouts, a wrong answer costing 1, validation on 8 questions; the training flags below
+are then ignored), on --test-questions 100 by default, and prints the two checkpoints on make demo's own 50
+questions (the first 50) against issue 55's targets for the main job too; --groups-per-step N and
+--hallucination-penalty X change the preset's step width and what a wrong answer costs (runs Y0-Y2: 2 and 2;
+g6: 6 and 2; H1: 6 and 1, the preset since).
 Issue 55's targets: pooled over at least 3 seeds, the score higher with
 p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
 independently, but one question's difficulty is shared by its three pairs.
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--demo-preset", action="store_true",
                         help="train as make demo does (the demo preset); the training flags below are ignored but "
-                             "--groups-per-step, when given")
+                             "--groups-per-step and --hallucination-penalty, when given")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="training seeds, one run each (validation split, warm-start order, LoRA init, "
                              "sampling; the test questions stay), pooled at the end")
@@ -70,12 +71,13 @@ def main() -> None:
                         help="end with this many of the --rl-steps std-scaled (ART's default), "
                              "after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=None,
-                        help="what a wrong answer costs in the reward (default 1 as in ART·E, runs K, K2; with "
-                             "--demo-preset, the preset's 2; runs H1-1, H1-2: 1)")
+                        help="what a wrong answer costs in the reward (default 1 as in ART·E, runs K, K2, and the "
+                             "preset's; runs Y0-Y2 and g6 with --demo-preset: 2)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
                         help="share of GRPO questions asked before their gold email arrived (run O)")
     parser.add_argument("--groups-per-step", type=int, default=None,
-                        help="GRPO groups of 4 rollouts a step (default 6; with --demo-preset, the preset's 2)")
+                        help="GRPO groups of 4 rollouts a step (default 6, as the preset's; runs Y0-Y2 with "
+                             "--demo-preset: 2)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="GRPO rollouts' sampling temperature (at 0.7, runs F-S, the two-epoch warm start played "
                              "most questions alike four times in four: only a third of the groups had reward variance)")

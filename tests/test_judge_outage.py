@@ -248,7 +248,7 @@ def test_a_cpu_run_without_flags_takes_the_cpu_preset(monkeypatch, capsys):
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train"]))
     assert (cfg.groups_per_step, cfg.rollouts_per_group, cfg.max_turns, cfg.max_tokens, cfg.concurrency) == (
-        2, 4, 4, 64, 8)
+        6, 4, 4, 64, 24)
     assert cli.TrainConfig().groups_per_step == 12  # the GPU-scale defaults stay the dataclass's
     explicit = cli.config_from_args(cli.make_parser().parse_args(["train", "--groups-per-step", "12"]))
     assert explicit.groups_per_step == 12 and explicit.rollouts_per_group == 4

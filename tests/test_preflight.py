@@ -241,3 +241,9 @@ def test_a_run_whose_groups_mostly_lack_reward_variance_is_told_to_sample_more_w
     assert step_health.low_variance_warning(run_s[:4], 0.7) is None  # too few steps to tell
     run_t1 = [1.0, 0.83, 0.5, 0.67, 0.67]  # run T1, temperature 1.0: 73%
     assert step_health.low_variance_warning(run_s + run_t1, 0.7) is None  # only the last five steps count
+
+
+def test_the_cpu_step_note_prices_a_gpu_sized_step_against_the_cpu_preset():
+    note = step_health.cpu_step_note(20.0, rollouts=48, at_once=8, preset_rollouts=24)
+    assert "a step of 48 rollouts (8 at a time) takes about 2 min before its update" in note
+    assert note.endswith("the CPU preset's 24 take about 1.0 min")

@@ -318,8 +318,9 @@ def step_line(step: int, groups: list[TrajectoryGroup], train_metrics: dict, lea
             f"{what}{errors}  {seconds:.0f}s")
 
 
-def cpu_step_note(one_rollout_s: float, rollouts: int, at_once: int) -> str:
+def cpu_step_note(one_rollout_s: float, rollouts: int, at_once: int, preset_rollouts: int) -> str:
     """What a GPU-sized step will cost on the CPU backend, from one rollout timed before it starts."""
+    preset_min = one_rollout_s * preset_rollouts / min(at_once, preset_rollouts) / 60
     return (f"note: one rollout took {one_rollout_s:.0f}s here, so a step of {rollouts} rollouts ({at_once} at a time) "
-            f"takes about {one_rollout_s * rollouts / at_once / 60:.0f} min before its update; the CPU preset's 8 take "
-            f"about {one_rollout_s * 8 / min(at_once, 8) / 60:.1f} min")
+            f"takes about {one_rollout_s * rollouts / at_once / 60:.0f} min before its update; the CPU preset's "
+            f"{preset_rollouts} take about {preset_min:.1f} min")
