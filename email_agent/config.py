@@ -94,8 +94,9 @@ class TrainConfig:
 # a right answer elsewhere, and most groups have no right answer, so GRPO traded right answers for abstentions.
 # A wrong answer costing 2 left "I don't know" after reading (-0.5) 1.5 above it, and with 2 or 6 groups a step
 # GRPO drifted to abstaining (6 groups, seeds 0-2: 17 questions right only after GRPO, 24 only before). At a cost
-# of 1 and 6 groups a step, right answers and the score (right - hallucinated) rose on each of seeds 0-2 (pooled: right
-# only after GRPO on 27 questions, only before on 14; score higher on 40, lower on 24). Every run: bench/RESULTS.md.
+# of 1 and 6 groups a step, right answers rose on each of seeds 0-3 and the score (right - hallucinated) on 0-2, flat
+# on 3 (pooled: right only after GRPO on 31 questions, only before on 16, p = 0.04; score higher on 47, lower on 33,
+# p = 0.15: bench_learning runs H1-0..H1-3). Every run: bench/RESULTS.md.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=6, rollouts_per_group=4,
                    num_epochs=1, max_steps=6, learning_rate=1e-4, advantage_balance=0.5, scale_rewards=False,
