@@ -37,6 +37,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +119,7 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
               "--name", "learn", "--keep-checkpoints", "all", "--seed", str(seed), "--backend", args.backend,
               "--cpu-train-threads", str(args.cpu_train_threads),
               *(["--base-model", args.base_model] if args.base_model else [])]
-    if args.demo_preset and not args.quick:  # a wider step plays its groups at once, as the preset's 2 x 4 are
+    if args.demo_preset and not args.quick:  # another step width plays its groups at once, as the preset's 6 x 4 are
         flags = (["--groups-per-step", str(args.groups_per_step), "--concurrency", str(4 * args.groups_per_step)]
                  if args.groups_per_step else [])
         if args.hallucination_penalty is not None:
@@ -202,7 +203,8 @@ def final_vs_warm(summary: dict, warm: str, final: str) -> dict:
 def print_demo_targets(report: Path, db: Path, warm: str, final: str) -> None:
     """The same two checkpoints on `make demo`'s own 50 questions (the evaluation's first 50 after its seeded
     shuffle, which the bench's first 100 begin with), against issue 55's targets for the main job."""
-    ids = {q.id for q in select_questions(EmailDB(str(db)), "test", seed=0, limit=DEMO_QUESTIONS)}
+    with closing(EmailDB(str(db))) as email_db:
+        ids = {q.id for q in select_questions(email_db, "test", seed=0, limit=DEMO_QUESTIONS)}
     records, _ = read_results(report / "results.jsonl")
     figures = summarize([r for r in records if r["question_id"] in ids and r["model"] in (warm, final)])
     w, f = figures["models"][warm], figures["models"][final]
