@@ -5,7 +5,7 @@ keyed by model name first ({model: {question: script}}), and "*" is the script f
 judge's reply). A reply is a dict: {"tool": name, "args": dict | raw str} for one call, {"calls": [(name, args),
 ...]} for several, {"text": "..."} for plain text, {"status": 500, "message": "..."} for an HTTP error (message
 optional), {"raw": body} for a whole response body of its own, {"sleep": s} to stall; a call or text reply with
-"sampled" samples that text instead of the one the reply renders back to (a call the parser keeps only part of). A
+"sampled" samples that text instead of the one the reply renders back to (a call written otherwise). A
 script may also be a
 function of the request body that returns one reply (for replies that depend on the prompt or on earlier calls). A
 question with no script gets {"status": 404}. GET /v1/models lists `models` (none by default: "serves anything");

@@ -6,6 +6,7 @@ LocalBackend before `training_data` existed, fail the same checks: the tests say
 
 import asyncio
 import copy
+import json
 import re
 
 import art
@@ -114,16 +115,29 @@ def test_every_trained_sequence_is_what_the_policy_was_served(tokenizer, demo_db
     assert any(tokenizer.decode(r.token_ids).count('<tool_call>\n{"name": "search_inbox"') >= 2 for r in wrong)
 
 
-def test_a_call_the_parser_keeps_only_part_of_is_trained_as_the_server_rendered_it(tokenizer, demo_db):
-    """A model may write a call with a key the hermes parser drops (seen on real vLLM: "parameters" beside
-    "arguments"): every later prompt renders the call without it. Trained on its sampled ids, the later turns would
-    sit in a context no prompt had; trained as the server rendered it, the sequence is the last prompt served."""
+# ways a model writes a call that the hermes parser reads, but the template writes back otherwise
+WRITTEN_OTHERWISE = {
+    "a key the parser drops": lambda text: text.replace("}}\n</tool_call>", '}, "parameters": {}}\n</tool_call>'),
+    "no closing tag": lambda text: text.removesuffix("\n</tool_call>"),  # seen on real vLLM (ended early)
+    "other spacing": lambda text: text.replace("<tool_call>\n", "<tool_call>").replace("}\n</", "}</"),
+    "text after the call": lambda text: text + "\nThat should find it.",
+    "as the template writes it": lambda text: text,
+}
+
+
+@pytest.mark.parametrize("how", WRITTEN_OTHERWISE)
+def test_a_call_rendered_back_otherwise_is_trained_as_the_server_rendered_it(tokenizer, demo_db, how):
+    """A model may write a call the parser reads but the template writes back otherwise (seen on real vLLM: a
+    "parameters" key beside "arguments", a call ended before its closing tag): every later prompt renders the call
+    as parsed. Trained on its sampled ids, the later turns would sit in a context no prompt had; trained as the
+    server rendered it, the sequence is the last prompt served, and only the later turns are trained. A call
+    written as the template writes it is trained on its sampled ids, like the others."""
     question = qmod.select_questions(demo_db, "train", seed=0)[0]
     solve = expert_script(question)
     name, args = solve[0]["tool"], solve[0]["args"]
-    as_rendered = hermes_text([(name, args)], None)
-    written = as_rendered.replace("}}\n</tool_call>", '}, "parameters": {}}\n</tool_call>')
-    assert not training_data.parser_kept_all(written) and training_data.parser_kept_all(as_rendered)
+    written = WRITTEN_OTHERWISE[how](hermes_text([(name, args)], None))
+    calls = parse_tool_calls(written)[1]  # what vLLM's hermes parser reads from it: the same call
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [(name, args)]
 
     async def go():
         scripts = {"odd": {question.question: [{**solve[0], "sampled": written}, *solve[1:]]},
@@ -149,11 +163,10 @@ def test_a_call_the_parser_keeps_only_part_of_is_trained_as_the_server_rendered_
     result = tokenized(tokenizer)
     assert result.token_ids == served[-1]["prompt_ids"] + served[-1]["sampled_ids"]
     trained = [i for i, bit in enumerate(result.assistant_mask) if bit]
-    later = [range(len(t["prompt_ids"]), len(t["prompt_ids"]) + len(t["sampled_ids"])) for t in served[1:]]
-    assert trained == [i for span in later for i in span]  # the two later turns, not the first
-    # with no tokenizer to read the sampled text, the gap is there: the sampled key stays in the context
-    unread = tokenized(None)
-    assert unread.token_ids != result.token_ids and '"parameters"' in tokenizer.decode(unread.token_ids)
+    kept = served if how == "as the template writes it" else served[1:]
+    assert trained == [i for t in kept for i in range(len(t["prompt_ids"]), len(t["prompt_ids"] + t["sampled_ids"]))]
+    if how != "as the template writes it":  # with no tokenizer to read the sampled text, the gap is there
+        assert tokenized(None).token_ids != result.token_ids
 
 
 def test_warm_start_teaches_what_vllm_shows_and_calls_the_parser_reads(tokenizer, demo_db):

@@ -3,21 +3,22 @@
 The training loop passes each GRPO step's groups through `for_grpo` and the warm start's episodes through
 `for_sft` before `backend.train` / `model.train_sft`, whichever backend runs them (ours on CPU, ART's
 LocalBackend on a GPU, a remote one). ART 0.5.18's tokenizer renders a trajectory with the model's chat template
-and swaps each sampled Choice for the token ids the server sampled; left as the rollout records them, three
+and swaps each sampled Choice for the token ids the server sampled; left as the rollout records them, four
 things make what it trains on differ from what the policy saw, without an error:
 
   tool calls twice    a sampled Choice keeps its parsed `tool_calls`, so the template renders each call again
-                      after the sampled tokens, which already hold it (`without_sampled_tool_calls`)
+                      after the sampled tokens, which already hold it (they are taken off)
   tool order          `art.Trajectory.tools` comes back from pydantic as {"function", "type"}; vLLM (and our CPU
                       server) render {"type", "function"}: the tool block of the prompt, which every turn sees,
                       would differ from the one sampled with (`tools_as_served`)
   arguments form      templates that put `arguments | tojson` with no string check (Qwen2.5's) encode a JSON
                       string a second time; vLLM hands them objects. The warm start's episodes carry strings
                       (OpenAI's wire format), so it would teach double-encoded arguments (`argument_form`)
-  what a parser drops a call the model wrote with more than vLLM's hermes parser keeps (a key beside "name" and
-                      "arguments", text after the call) is re-rendered without it in every later prompt, while the
-                      sampled tokens keep it: later turns would train on a context no prompt had. Such a turn is
-                      trained as the message the server rendered, not on its sampled ids (`parser_kept_all`)
+  calls re-rendered   a call the model wrote otherwise than the template writes what vLLM's hermes parser read
+                      (a key beside "name" and "arguments", text after it, no closing tag, other spacing) comes
+                      back changed in every later prompt, while the sampled tokens keep it: later turns would
+                      train on a context no prompt had. Such a turn is trained as the message the server
+                      rendered, not on its sampled ids (`renders_as_sampled`)
 
 It does not tokenize (ART does) and knows nothing of backends: they receive what it returns.
 """
@@ -25,7 +26,6 @@ It does not tokenize (ART does) and knows nothing of backends: they receive what
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from typing import Literal
 
@@ -93,31 +93,6 @@ def _message(message: dict, form: ArgumentForm) -> dict:
     return {**message, "tool_calls": converted}
 
 
-# vLLM's hermes tool parser (the one SERVER_ARGS names): a call between the tags, or an open tag to the end
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
-
-
-def parser_kept_all(text: str) -> bool:
-    """Whether the chat template renders sampled `text` back as it was once vLLM's hermes parser has read it:
-    each call written as the parser re-encodes it, {"name": "...", "arguments": {...}} with JSON's default
-    spacing (no other key, no other order), and nothing after the calls but whitespace (the parser keeps the
-    text before the first call as the content, and drops the rest)."""
-    calls = list(_TOOL_CALL.finditer(text))
-    if not calls:
-        return True  # no call parsed: the content is the text itself
-    for match in calls:
-        body = (match.group(1) if match.group(1) is not None else match.group(2)).strip()
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return True  # unparsable: vLLM then returns the whole text as the content
-        if not isinstance(call, dict) or list(call) != ["name", "arguments"]:
-            return False
-        if body != json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False):
-            return False
-    return not _TOOL_CALL.sub("", text[calls[0].start():]).strip()
-
-
 def sampled_ids(choice: Choice) -> list[int] | None:
     """The token ids a server sampled, from logprobs named "token_id:N" (vLLM's --return-tokens-as-token-ids);
     None when the tokens are named otherwise."""
@@ -127,10 +102,26 @@ def sampled_ids(choice: Choice) -> list[int] | None:
     return [int(token.removeprefix("token_id:")) for token in tokens]
 
 
-def _parser_dropped(choice: Choice, tokenizer) -> bool:
-    """Whether a sampled Choice's calls hold more than the parser kept (readable with a tokenizer and token ids)."""
-    ids = sampled_ids(choice) if tokenizer and choice.message.tool_calls else None
-    return ids is not None and not parser_kept_all(tokenizer.decode(ids, skip_special_tokens=True))
+def renders_as_sampled(choice: Choice, tokenizer) -> bool:
+    """Whether every later prompt shows a sampled Choice as the text it sampled. A server renders an earlier turn
+    from the calls its tool parser read (arguments as objects, as vLLM hands them to the template), so a call
+    written otherwise comes back changed: a key beside "name" and "arguments", text after the call, a call left
+    without its closing tag (cut off, or ended early), other spacing. Compared as ART 0.5.18 builds the trained
+    sequence: the template's text before the turn, the sampled text, then what the template writes after a turn
+    (without its first token when the turn sampled that token too). A Choice without calls, or without token ids
+    and a `tokenizer` to read them, is taken as sampled."""
+    ids = sampled_ids(choice) if tokenizer is not None and choice.message.tool_calls else None
+    if not ids:
+        return True
+    opening = [{"role": "user", "content": "."}]
+    marker = "\u2063"  # a character no template writes, to find where a turn's content ends
+    head = tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=False)
+    plain = tokenizer.apply_chat_template(opening + [{"role": "assistant", "content": marker}], tokenize=False)
+    after = plain[plain.index(marker) + len(marker):]
+    served = tokenizer.apply_chat_template(opening + [_message(get_messages([choice])[0], "object")], tokenize=False)
+    sampled = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    last = tokenizer.decode(ids[-1:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return served in (head + sampled + after, head + sampled + after.removeprefix(last))
 
 
 def _items(items: list, form: ArgumentForm, tokenizer=None) -> list:
@@ -139,7 +130,7 @@ def _items(items: list, form: ArgumentForm, tokenizer=None) -> list:
     them), and dict messages as chat messages with arguments in `form`."""
     out = []
     for item in items:
-        if isinstance(item, Choice) and item.logprobs is not None and not _parser_dropped(item, tokenizer):
+        if isinstance(item, Choice) and item.logprobs is not None and renders_as_sampled(item, tokenizer):
             if item.message.tool_calls:
                 item = item.model_copy(update={"message": item.message.model_copy(update={"tool_calls": None})})
             out.append(item)
