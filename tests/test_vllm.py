@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -233,22 +232,6 @@ def gone_within(pids: list[int], seconds: float) -> list[int]:
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.5)
-
-
-@pytest.mark.slow
-def test_kill_9_of_the_process_that_started_vllm_leaves_none_of_its_processes(tmp_path):
-    script = KILL_9.format(root=str(ROOT), log=str(tmp_path / "vllm.log"), end="await asyncio.sleep(3600)")
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                              env=own_server_environment())
-    try:
-        wrapper = json.loads(parent.stdout.readline())["wrapper"]
-        tree = processes_of(wrapper)
-        assert len(tree) >= 4, tree  # ART's wrapper, vLLM's server, its engine core, its worker
-        parent.send_signal(signal.SIGKILL)
-        parent.wait()
-        assert gone_within(tree, 60) == []
-    finally:
-        parent.kill()
 
 
 STAND_IN = """
