@@ -16,8 +16,8 @@ steps of 6 groups x 4 rollouts, a wrong answer costing 1, validation on 8 questi
 are then ignored), on --test-questions 100 by default, and prints the two checkpoints on make demo's own 50
 questions (the first 50) against issue 55's targets for the main job too; --groups-per-step N and
 --hallucination-penalty X change the preset's step width and what a wrong answer costs (runs Y0-Y2: 2 and 2;
-g6: 6 and 2; H1: 6 and 1, the preset since). --warm-start-from W begins each seed from W's warm start of the
-same seed (its checkpoints copied) when only GRPO's settings differ.
+g6: 6 and 2; H1: 6 and 1, the preset since; P15: 6 and 1.5). --warm-start-from W begins each seed from W's
+warm start of the same seed (its checkpoints copied) when only GRPO's settings differ.
 Issue 55's targets: pooled over at least 3 seeds, the score higher with
 p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
 independently, but one question's difficulty is shared by its three pairs.
@@ -75,7 +75,7 @@ def main() -> None:
                              "after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=None,
                         help="what a wrong answer costs in the reward (default 1 as in ART·E, runs K, K2, and the "
-                             "preset's; runs Y0-Y2 and g6 with --demo-preset: 2)")
+                             "preset's, H1; runs P15 with --demo-preset: 1.5; Y0-Y2 and g6: 2)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
                         help="share of GRPO questions asked before their gold email arrived (run O)")
     parser.add_argument("--groups-per-step", type=int, default=None,
