@@ -12,11 +12,11 @@ start on the same questions (McNemar on right answers; a sign test on the score,
 -1), the validation curve and the wall time of each phase; then both tests pooled over the seeds.
 
 --demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 6 GRPO
-steps of 6 groups x 4 rollouts, a wrong answer costing 1, validation on 8 questions; the training flags below
+steps of 6 groups x 4 rollouts, a wrong answer costing 1.5, validation on 8 questions; the training flags below
 are then ignored), on --test-questions 100 by default, and prints the two checkpoints on make demo's own 50
 questions (the first 50) against issue 55's targets for the main job too; --groups-per-step N and
 --hallucination-penalty X change the preset's step width and what a wrong answer costs (runs Y0-Y2: 2 and 2;
-g6: 6 and 2; H1: 6 and 1, the preset since; P15: 6 and 1.5). --warm-start-from W begins each seed from W's
+g6: 6 and 2; H1: 6 and 1; P15: 6 and 1.5, the preset since). --warm-start-from W begins each seed from W's
 warm start of the same seed (its checkpoints copied) when only GRPO's settings differ.
 Issue 55's targets: pooled over at least 3 seeds, the score higher with
 p < 0.05, right answers not fewer. The pooled tests treat each (seed, question) pair as one: the seeds train
@@ -74,8 +74,8 @@ def main() -> None:
                         help="end with this many of the --rl-steps std-scaled (ART's default), "
                              "after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=None,
-                        help="what a wrong answer costs in the reward (default 1 as in ART·E, runs K, K2, and the "
-                             "preset's, H1; runs P15 with --demo-preset: 1.5; Y0-Y2 and g6: 2)")
+                        help="what a wrong answer costs in the reward (default: 1 as in ART·E, runs K, K2; "
+                             "with --demo-preset the preset's 1.5, runs P15; H1: 1; Y0-Y2 and g6: 2)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
                         help="share of GRPO questions asked before their gold email arrived (run O)")
     parser.add_argument("--groups-per-step", type=int, default=None,
