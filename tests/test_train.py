@@ -241,7 +241,7 @@ def test_local_backend_wiring(demo_db, demo_db_path, qwen_style_model_dir, tmp_p
 
 
 def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_path, qwen_style_model_dir, tmp_path,
-                                                               monkeypatch):
+                                                               monkeypatch, capsys):
     from email_agent.data import questions
 
     wrong = [call("return_final_answer", {"answer": "Tuesday at noon", "sources": []})]  # no search: no partial credit
@@ -251,6 +251,7 @@ def test_hallucination_penalty_sets_what_a_wrong_answer_scores(demo_db, demo_db_
                                hallucination_penalty=2.5, base_model=str(qwen_style_model_dir))
     rewards = [t.reward for groups, _ in backend.train_calls for g in groups for t in g.trajectories]
     assert rewards and all(r == pytest.approx(-2.5) for r in rewards)
+    assert "a wrong answer costing 2.5" in capsys.readouterr().err  # the run's opening lines say so
     history = [json.loads(line) for line in (tmp_path / "email-agent/models/h/history.jsonl").read_text().splitlines()]
     assert [row["val/reward"] for row in history if "val/reward" in row] == [pytest.approx(-2.5)] * 2
 

@@ -374,7 +374,8 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
     return mode, judge
 
 
-def describe(mode: str, judge: LLMJudge | None, ruler_model: str = "", ruler_base_url: str | None = None) -> str:
+def describe(mode: str, judge: LLMJudge | None, ruler_model: str = "", ruler_base_url: str | None = None,
+             hallucination_penalty: float = 1.0) -> str:
     """The reward in use, in one line for the start of a run."""
     def where(base_url: str | None) -> str:
         return f" at {base_url}" if base_url else ""
@@ -385,7 +386,8 @@ def describe(mode: str, judge: LLMJudge | None, ruler_model: str = "", ruler_bas
         return f"RULER {ruler_model}{where(ruler_base_url)} ranks each group; {graded}, for the metrics"
     if mode == "judge":
         return f"judge {judge.model}{where(judge.api_base)}: 1 for a right answer, 0 otherwise"
-    return f"{mode} (right > \"I don't know\" > wrong, with partial credit); {graded}"
+    return (f"{mode} (right > \"I don't know\" > wrong, a wrong answer costing {hallucination_penalty:g}, with "
+            f"partial credit); {graded}")
 
 
 # ----------------------------------------------------------------------------------------------

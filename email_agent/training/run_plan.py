@@ -52,7 +52,8 @@ class Plan:
         return config.opening_lines(self.config, self.backend, len(self.train_questions),
                                     len(self.rl_questions) - len(self.train_questions), len(self.val_questions),
                                     self.steps, rewards.describe(self.episode.reward, self.episode.judge,
-                                                                 self.ruler_model, self.ruler_params.get("api_base")),
+                                                                 self.ruler_model, self.ruler_params.get("api_base"),
+                                                                 self.episode.hallucination_penalty),
                                     warm_start_done=bool(self.state.get("sft_done")))
 
     def trainable_model(self) -> art.TrainableModel:
