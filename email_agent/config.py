@@ -95,9 +95,11 @@ class TrainConfig:
 # costing 2 left "I don't know" after reading (-0.5) 1.5 above it, and GRPO drifted to abstaining (6 groups, seeds
 # 0-2: 17 questions right only after GRPO, 24 only before). At ART·E's 1, right answers rose but hallucination
 # did not fall (seeds 0-3: right only after GRPO on 31 questions, only before on 16; score higher on 47, lower on 33,
-# p = 0.15: runs H1-0..H1-3). At 1.5, from the same warm starts, the score rose on every seed and hallucination fell
-# (seeds 0-2: score higher on 41 questions, lower on 16, p = 0.001; right only after on 19, only before on 13:
-# runs P15-0..P15-2). Every run: bench/RESULTS.md.
+# p = 0.15: runs H1-0..H1-3). At 1.5, from the same warm starts, hallucination fell on every seed and the score rose
+# on 0-2 (score higher on 41 questions, lower on 16, p = 0.001; right only after on 19, only before on 13), while
+# seed 3 learned to read until its turns ran out (right 43 -> 27%, score flat): over seeds 0-3 the score was higher
+# on 58, lower on 32 (p = 0.008), right only after on 19, only before on 29 (runs P15-0..P15-3). Every run:
+# bench/RESULTS.md.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=6, rollouts_per_group=4,
                    num_epochs=1, max_steps=6, learning_rate=1e-4, advantage_balance=0.5, scale_rewards=False,
