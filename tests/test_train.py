@@ -575,17 +575,21 @@ def test_kill_9_during_warm_start_epoch_2_resumes_at_epoch_2(demo_db_path, tmp_p
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["0000", "0001", "0002"]
 
 
-def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape():
+@pytest.mark.parametrize("seed, run", [(None, "demo"), ("1", "demo-seed1")])
+def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape(seed, run):
     """`make demo` evaluates the trained agent as it was trained: no shape flag overrides the run's own shape
-    (test_the_run_saves_its_episode_shape_for_evaluation checks that evaluation reads it)."""
-    makefile = (ROOT / "Makefile").read_text()
-    line = next(line for line in makefile.replace("\\\n", " ").splitlines() if "test_email_search_agent.py" in line
-                and "--demo" in line)
+    (test_the_run_saves_its_episode_shape_for_evaluation checks that evaluation reads it). `SEED=1` trains and
+    evaluates run demo-seed1, so it never resumes seed 0's run."""
+    dry = subprocess.run(["make", "-n", "demo", *([f"SEED={seed}"] if seed else [])], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    train = next(line for line in dry.splitlines() if "train_email_search_agent.py train" in line)
+    assert f"--seed {seed or 0} --name {run}" in train
+    line = next(line for line in dry.splitlines() if "test_email_search_agent.py" in line)
     flags = dict(re.findall(r"--([a-z-]+)(?: (\S+))?", line))
-    assert int(flags["limit"]) >= 50
+    assert int(flags["limit"]) >= 50 and flags["output"] == f"eval/{run}"
     assert not {"max-turns", "max-tokens", "max-body-chars", "search-results"} & set(flags)
     # what RL changed: the base model, the warm start's checkpoint (step 1: one epoch) and the final agent
-    assert re.findall(r"--model (\S+)", line) == ["base", "demo@1", "demo"] and config.DEMO_PRESET["sft_epochs"] == 1
+    assert re.findall(r"--model (\S+)", line) == ["base", f"{run}@1", run] and config.DEMO_PRESET["sft_epochs"] == 1
 
 
 def test_keep_checkpoints_best_keeps_the_latest_the_best_and_the_warm_start(tmp_path):
