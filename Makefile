@@ -43,9 +43,11 @@ demo: setup  # the main job serves with vLLM (.venv-vllm)
 	$(PY) train_email_search_agent.py train --demo --seed $(SEED) --name $(DEMO)
 	$(PY) test_email_search_agent.py --demo --model base --model $(DEMO)@1 --model $(DEMO) --limit 50 --grounded-answers --concurrency 48 --output eval/$(DEMO)
 
+# Two pytest processes, not one per core: the suite is mostly model loads, imports and subprocesses waiting on each
+# other, which two processes overlap on two cores; each process starts its own vLLM for the slow tests (conftest.py).
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist worksteal
 
 bench: setup
 	$(PY) bench/bench_data.py
