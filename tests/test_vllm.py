@@ -236,12 +236,18 @@ def gone_within(pids: list[int], seconds: float) -> list[int]:
 
 STAND_IN = """
 import http.server, json, os, subprocess, sys, time
-# vLLM's shape: a server whose child has a child of its own, all in the server's process group
+# vLLM's shape: a server whose child has a child of its own, all in the server's process group. It answers once the
+# grandchild runs (as vLLM answers once its workers run), so a busy machine cannot show a tree still being built.
+started = __file__ + ".grandchild"
 if len(sys.argv) > 1 and sys.argv[1] == "child":
     if len(sys.argv) < 3:
         subprocess.Popen([sys.executable, __file__, "child", "grandchild"])
+    else:
+        open(started, "w").close()
     time.sleep(3600)
 subprocess.Popen([sys.executable, __file__, "child"])
+while not os.path.exists(started):
+    time.sleep(0.1)
 port = int(sys.argv[sys.argv.index("--port") + 1])
 class Models(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
