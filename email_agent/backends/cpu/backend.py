@@ -34,10 +34,10 @@ from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
 from email_agent.backends.vllm_server import VLLMServer
-from email_agent.errors import DataError
 from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
 from email_agent.backends.cpu.model import load_base_model, served_model_dir
 from email_agent.backends.cpu.trainer import Trainer, new_optimizer
+from email_agent.errors import DataError
 
 logger = logging.getLogger(__name__)
 
