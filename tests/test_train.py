@@ -334,7 +334,7 @@ def test_the_opening_summary_says_what_the_run_will_do():
 
     full = summary()
     assert "warm start   demo-expert, 1 epoch(s) at learning rate 0.001" in full
-    assert "GRPO         6 steps of 6 questions x 4 rollouts at learning rate 0.0001; validation every 3 steps" in full
+    assert "GRPO         3 steps of 6 questions x 4 rollouts at learning rate 0.0001; validation every 3 steps" in full
     assert "GRPO         none: --sft-only stops after the warm start" in summary("--sft-only")
     assert "warm start   none" in summary("--sft-from", "")
 
