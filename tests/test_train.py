@@ -330,7 +330,8 @@ def test_the_opening_summary_says_what_the_run_will_do():
     """Catches the summary announcing GRPO steps that --sft-only will never run (as it did for bench_enron)."""
     def summary(*flags):
         cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", *flags]))
-        return "\n".join(config.opening_lines(cfg, "cpu", train=202, unanswerable=0, val=8, steps=6, reward="offline"))
+        return "\n".join(config.opening_lines(cfg, "cpu", train=202, unanswerable=0, val=8, steps=cfg.max_steps,
+                                             reward="offline"))
 
     full = summary()
     assert "warm start   demo-expert, 1 epoch(s) at learning rate 0.001" in full
