@@ -375,7 +375,7 @@ def make_parser() -> argparse.ArgumentParser:
                 description="Write one checkpoint of a run as a PEFT LoRA folder (lora), the base model with the "
                             "LoRA merged, with its tokenizer and chat template (merged), or a float32 GGUF "
                             "for llama.cpp (gguf: CPU runs on SmolLM2), with a README.md on loading and "
-                            "prompting it. Example: python train_email_search_agent.py export --model demo@7 "
+                            "prompting it. Example: python train_email_search_agent.py export --model demo@4 "
                             "--format merged --output export/demo-merged")
     export.add_arguments(p)
 
