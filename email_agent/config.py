@@ -101,7 +101,9 @@ class TrainConfig:
 # on 58, lower on 32 (p = 0.008), right only after on 19, only before on 29 (runs P15-0..P15-3). Three steps, not six:
 # the same runs' step-4 checkpoints (3 GRPO steps) scored higher on 37, lower on 16 (p = 0.005), right only after
 # on 13, only before on 12 (run S4): seed 3's drift to running out of turns comes mostly in steps 5-7, and make
-# demo is three steps shorter. Every run: bench/RESULTS.md.
+# demo is three steps shorter. Trained fresh (runs F3-2, F3), three steps still cut hallucination but not reliably
+# the score (higher on 41, lower on 30, p = 0.24; right only after on 9, only before on 21). Every run:
+# bench/RESULTS.md.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=6, rollouts_per_group=4,
                    num_epochs=1, max_steps=3, learning_rate=1e-4, advantage_balance=0.5, scale_rewards=False,
