@@ -12,9 +12,10 @@ start on the same questions (McNemar on right answers; a sign test on the score,
 -1), the validation curve and the wall time of each phase; then both tests pooled over the seeds.
 
 --demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 3 GRPO
-steps of 6 groups x 4 rollouts (6 until run S4), a wrong answer costing 1.25 (1.5 until run F125), validation
-on 8 questions; the training flags below are then ignored), on --test-questions 100 by default, and prints the
-two checkpoints on make demo's own 50 questions (the first 50) against issue 55's targets for the main job too;
+steps of 6 groups x 4 rollouts (6 until run S4), a wrong answer costing 1.25 (1.5 until run F125), sampled at
+0.8 (1.0 until run T08), validation on 8 questions; the training flags below are then ignored), on
+--test-questions 100 by default, and prints the two checkpoints on make demo's own 50 questions (the first 50)
+against issue 55's targets for the main job too;
 --groups-per-step N and --hallucination-penalty X change the preset's step width and what a wrong answer costs
 (runs Y0-Y2: 2 and 2; g6: 6 and 2; H1: 6 and 1; P15: 6 and 1.5; F125: 6 and 1.25, the preset since).
 --warm-start-from W begins each seed from W's warm start of the same seed (its checkpoints copied) when only
