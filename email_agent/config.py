@@ -104,8 +104,8 @@ class TrainConfig:
 # demo is three steps shorter. Trained fresh (runs F3-2, F3), three steps still cut hallucination but not reliably
 # the score (higher on 41, lower on 30, p = 0.24; right only after on 9, only before on 21). At 1.25, GRPO run
 # fresh from the same warm starts: score higher on 49, lower on 22 (p = 0.002), right only after on 14, only
-# before on 14 (run F125). From make demo's own warm starts (seeds 0-2) 1.25 gave 43 higher, 33 lower (p = 0.30)
-# and lost right answers (119 -> 110: seed 1 broke its searches); sampled at 0.8 instead, 38 higher, 19 lower
+# before on 14 (run F125). From make demo's own warm starts (seeds 0-2), sampled at 1.0, 43 higher, 33 lower
+# (p = 0.30), right 119 -> 110 (seed 1 broke its searches); sampled at 0.8 instead, 38 higher, 19 lower
 # (p = 0.016), right 119 -> 126, no seed broken (runs D125, T08 on 100 questions). Every run: bench/RESULTS.md.
 DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
                    sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=6, rollouts_per_group=4,
