@@ -33,6 +33,7 @@ from art.utils.sft import resolve_sft_batch_size
 from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
+from email_agent.backends.art_backends import DENSE_TARGET_MODULES
 from email_agent.backends.vllm_server import VLLMServer
 from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
 from email_agent.backends.cpu.model import load_base_model, served_model_dir
@@ -41,7 +42,8 @@ from email_agent.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The GPU path's LoRA targets (ART's, for dense models: Qwen2.5, Llama, SmolLM2), so a CPU run rehearses its adapter.
+DEFAULT_LORA_TARGETS = tuple(DENSE_TARGET_MODULES)
 
 
 class CPUBackend:

