@@ -85,33 +85,22 @@ class TrainConfig:
     wandb: bool = False  # log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)
 
 
-# The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores.
-# The warm start does the learning here: one epoch over every episode of the demo expert (~200, a quarter of them
-# abstentions) at a constant 1e-3 (the first 170 only, tried to save 2 minutes, warm-started to 34% right and the
-# six steps then taught "I don't know" to 45 of 50 test questions). Three GRPO steps of 6 groups x 4 rollouts follow,
-# all 24 sent at once, with the Dr. GRPO advantage (no division by each group's reward std), a wrong answer costing
-# 1.25, sampled at 0.8. Why: std-scaled advantages pushed "I don't know" over a wrong answer as hard as a right answer
-# elsewhere, and most groups have no right answer, so GRPO traded right answers for abstentions. A wrong answer
-# costing 2 left "I don't know" after reading (-0.5) 1.5 above it, and GRPO drifted to abstaining (6 groups, seeds
-# 0-2: 17 questions right only after GRPO, 24 only before). At ART·E's 1, right answers rose but hallucination
-# did not fall (seeds 0-3: right only after GRPO on 31 questions, only before on 16; score higher on 47, lower on 33,
-# p = 0.15: runs H1-0..H1-3). At 1.5, from the same warm starts, hallucination fell on every seed and the score rose
-# on 0-2 (score higher on 41 questions, lower on 16, p = 0.001; right only after on 19, only before on 13), while
-# seed 3 learned to read until its turns ran out (right 43 -> 27%, score flat): over seeds 0-3 the score was higher
-# on 58, lower on 32 (p = 0.008), right only after on 19, only before on 29 (runs P15-0..P15-3). Three steps, not six:
-# the same runs' step-4 checkpoints (3 GRPO steps) scored higher on 37, lower on 16 (p = 0.005), right only after
-# on 13, only before on 12 (run S4): seed 3's drift to running out of turns comes mostly in steps 5-7, and make
-# demo is three steps shorter. Trained fresh (runs F3-2, F3), three steps still cut hallucination but not reliably
-# the score (higher on 41, lower on 30, p = 0.24; right only after on 9, only before on 21). At 1.25, GRPO run
-# fresh from the same warm starts: score higher on 49, lower on 22 (p = 0.002), right only after on 14, only
-# before on 14 (run F125). From make demo's own warm starts (seeds 0-2), sampled at 1.0, 43 higher, 33 lower
-# (p = 0.30), right 119 -> 110 (seed 1 broke its searches); sampled at 0.8 instead, 38 higher, 19 lower
-# (p = 0.016), right 119 -> 126, no seed broken (runs D125, T08 on 100 questions). Every run: bench/RESULTS.md.
-DEMO_PRESET = dict(db=DEMO_DB, name="demo", sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4,
-                   sft_learning_rate=1e-3, sft_schedule="constant", groups_per_step=6, rollouts_per_group=4,
-                   num_epochs=1, max_steps=3, learning_rate=1e-4, advantage_balance=0.5, scale_rewards=False,
-                   hallucination_penalty=1.25, temperature=0.8, max_turns=4, max_tokens=64, max_body_chars=600,
-                   search_results=3, eval_every=3, val_size=8, concurrency=24)
+# The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores. Each value
+# was measured over seeds; the runs named are in bench/RESULTS.md, the story in docs/agent-and-rewards.md.
+DEMO_PRESET = dict(
+    db=DEMO_DB, name="demo",
+    # the warm start does the learning: one epoch over every demo-expert episode at a constant 1e-3
+    sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4, sft_learning_rate=1e-3,
+    sft_schedule="constant",
+    # three GRPO steps of 6 groups x 4 rollouts, all sent at once (run S4: steps 5-7 drifted to running out of turns)
+    groups_per_step=6, rollouts_per_group=4, num_epochs=1, max_steps=3, learning_rate=1e-4, concurrency=24,
+    # Dr. GRPO advantages (run K: std-scaled ones traded right answers for abstentions), negatives halved (run J)
+    advantage_balance=0.5, scale_rewards=False,
+    hallucination_penalty=1.25,  # run F125: score higher on 49 questions, lower on 22 (1.0: H1; 1.5: P15)
+    temperature=0.8,  # run T08: score higher on 38, lower on 19, right 119 -> 126 (at 1.0, run D125: right fell)
+    # the episode shape a 135M model on two cores can afford
+    max_turns=4, max_tokens=64, max_body_chars=600, search_results=3,
+    eval_every=3, val_size=8)
 
 
 def run_dir(cfg: TrainConfig) -> Path:

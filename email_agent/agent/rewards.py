@@ -414,15 +414,9 @@ def shaped_reward(r: Rubric, max_turns: int, num_sources: int, hallucination_pen
     The penalty sets how sure an agent must be to answer: after reading and citing the right email an answer
     beats "I don't know" (-0.3 there) in expectation when it is right with p > (penalty - 0.5) / (penalty + 1.2)
     or so: 0.23 at 1, 0.46 at 2.
-    Why the steps: a 135M model is wrong on most attempts, so when running out of turns scored like a sound
-    abstention GRPO learned to run out of turns (bench_learning run G), and when abstaining after reading the
-    answer did, it learned that (run H). It still abstains more with the steps (run I); halving negative
-    advantages (`--advantage-balance 0.5`, run J) keeps more of the right answers. Those runs divided each
-    group's advantages by its reward std, so "I don't know" 0.5 above a wrong answer pushed as hard as a right
-    answer 2 above it; without that (`--no-scale-rewards`, run K) the gaps' sizes count, GRPO raised accuracy
-    and dropped abstention. The line is the warm start's own: its abstentions are episodes where the search
-    never found the email. Without a search that ran, "I don't know" was a sound abstention too, and GRPO found
-    it (run P): 11 of its 47 "I don't know"s came after searches with broken JSON only.
+    Why the steps: a policy that is wrong on most attempts learns whatever ends an episode without an answer if it
+    scores like a sound abstention (running out of turns, abstaining after reading the answer, abstaining without
+    a search): bench_learning runs G, H and P in bench/RESULTS.md.
     """
     penalty = min(0.1 * r.bad_calls, 0.5)
     if r.answer_correct:

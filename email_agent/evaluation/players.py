@@ -146,8 +146,7 @@ class Schedule:
     have played every turn, and the CPU server's prefix cache, too small for them all, misses: bench_enron's
     evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU (all by one vLLM
     server) play `cpu_at_once` at a time (default: one per core), the next starting when one has played all its
-    episodes; GPU, remote and prompted models play alongside. (With a server per model, as the CPU path had
-    before vLLM, three on two cores ran slower than one; one at a time left a core idle.)"""
+    episodes; GPU, remote and prompted models play alongside."""
 
     def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int,
                  cpu_at_once: int | None = None) -> None:
