@@ -8,7 +8,7 @@
 Every model plays the same rollout (email_agent.agent.rollout) over the same questions; a trained run is served
 by the backend it was trained on and plays the episode shape it was trained with (flags override). Each
 model's endpoint is probed before the first rollout. The output folder holds results.jsonl (one line per
-question x model, enough to re-judge without re-running), scores.json and report.html / report.md.
+question x model, enough to re-judge without re-running), summary.json and report.html / report.md.
 """
 
 from __future__ import annotations

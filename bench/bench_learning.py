@@ -11,13 +11,14 @@ questions, which writes the usual report. Prints, per seed, the table, exact pai
 start on the same questions (McNemar on right answers; a sign test on the score, right +1 and hallucinated
 -1), the validation curve and the wall time of each phase; then both tests pooled over the seeds.
 
---demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, 3 GRPO
-steps of 6 groups x 4 rollouts (6 until run S4), a wrong answer costing 1.25 (1.5 until run F125), sampled at
-0.8 (1.0 until run T08), validation on 8 questions; the training flags below are then ignored), on
+--demo-preset trains exactly as `make demo` does (config.DEMO_PRESET: every expert episode once, {max_steps} GRPO
+steps of {groups_per_step} groups x {rollouts_per_group} rollouts (6 steps until run S4), a wrong answer costing
+{hallucination_penalty:g} (1.5 until run F125), sampled at {temperature:g} (1.0 until run T08), validation on {val_size}
+questions; the training flags below are then ignored), on
 --test-questions 100 by default, and prints the two checkpoints on make demo's own 50 questions (the first 50)
 against issue 55's targets for the main job too;
 --groups-per-step N and --hallucination-penalty X change the preset's step width and what a wrong answer costs
-(runs Y0-Y2: 2 and 2; g6: 6 and 2; H1: 6 and 1; P15: 6 and 1.5; F125: 6 and 1.25, the preset since).
+(runs Y0-Y2: 2 and 2; g6: 6 and 2; H1: 6 and 1; P15: 6 and 1.5; F125: 6 and 1.25, the preset's penalty since).
 --warm-start-from W begins each seed from W's warm start of the same seed (its checkpoints copied) when only
 GRPO's settings differ.
 Issue 55's targets: pooled over at least 3 seeds, the score higher with
@@ -49,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from shared import add_training_flags, print_table, run
 
+from email_agent.config import DEMO_PRESET
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import select_questions
 from email_agent.evaluation.scores import mcnemar_exact, read_results, summarize
@@ -57,7 +59,8 @@ DEMO_QUESTIONS = 50  # make demo's --limit
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.format(**DEMO_PRESET),  # the preset's own figures
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
     parser.add_argument("--demo-preset", action="store_true",
                         help="train as make demo does (the demo preset); the training flags below are ignored but "
@@ -77,12 +80,14 @@ def main() -> None:
                              "after the others (runs M, N)")
     parser.add_argument("--hallucination-penalty", type=float, default=None,
                         help="what a wrong answer costs in the reward (default: 1 as in ART·E, runs K, K2; "
-                             "with --demo-preset the preset's 1.5, runs P15; H1: 1; Y0-Y2 and g6: 2)")
+                             f"with --demo-preset the preset's {DEMO_PRESET['hallucination_penalty']:g}, run F125; "
+                             "P15: 1.5; H1: 1; Y0-Y2 and g6: 2)")
     parser.add_argument("--unanswerable-share", type=float, default=0.0,
                         help="share of GRPO questions asked before their gold email arrived (run O)")
     parser.add_argument("--groups-per-step", type=int, default=None,
-                        help="GRPO groups of 4 rollouts a step (default 6, as the preset's; runs Y0-Y2 with "
-                             "--demo-preset: 2)")
+                        help="GRPO groups of 4 rollouts a step (default 6, issue 12's bench; with --demo-preset "
+                             f"the preset's {DEMO_PRESET['groups_per_step']} groups of "
+                             f"{DEMO_PRESET['rollouts_per_group']}; runs Y0-Y2 with --demo-preset: 2)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="GRPO rollouts' sampling temperature (at 0.7, runs F-S, the two-epoch warm start played "
                              "most questions alike four times in four: only a third of the groups had reward variance)")

@@ -10,7 +10,7 @@ Throughput: `serve --http` on loopback, the questions asked by 1 client one afte
 at once (each its own MCP session); the CPU server batches concurrent requests.
 
     .venv/bin/python bench/bench_serve.py                       # the most recent run under --art-dir, else base
-    .venv/bin/python bench/bench_serve.py --model demo@7 --questions 4
+    .venv/bin/python bench/bench_serve.py --model demo@4 --questions 4
     .venv/bin/python bench/bench_serve.py --scripted            # a scripted policy: MCP's own cost, in ms
 
 The real CPU model is the default (a trained demo run when there is one, else the untrained base model, which

@@ -5,7 +5,9 @@ Each configuration starts its own server for one LoRA checkpoint and does, one a
   warm-up    the first chat request (2 tokens) after that;
   eval       the evaluation's work: `rollout` of the checkpoint on --questions held-out test questions, greedy,
              8 at once, in the demo preset's episode shape (4 turns, 64 tokens, 3 results, 600-character bodies);
-  grpo       a GRPO step's rollouts: the demo preset's 2 training questions x 4 rollouts at its temperature, 0.7;
+  grpo       a GRPO step's rollouts: 2 training questions x 4 rollouts at temperature 0.7, the demo preset's step
+             when this bench was written (2026-12-02; config.DEMO_PRESET's step is wider now), so that its figures
+             stay comparable;
   memory     the peak resident memory of the server's processes (sampled every 0.5 s), KV cache included.
 The same questions, seeds and settings for every configuration; `vllm` (this project's settings) is the
 reference: the others are one lever changed. Greedy agreement compares what the agent said in each evaluation
@@ -44,7 +46,7 @@ import psutil
 
 SHAPE = Episode(max_turns=4, max_tokens=64, max_body_chars=600, search_results=3)
 AT_ONCE = 8  # the evaluation's --concurrency and the server's batch
-GRPO_QUESTIONS, GRPO_ROLLOUTS, GRPO_TEMPERATURE = 2, 4, 0.7  # the demo preset's step
+GRPO_QUESTIONS, GRPO_ROLLOUTS, GRPO_TEMPERATURE = 2, 4, 0.7  # the demo preset's step of 2026-12-02
 
 # name -> (what it is, the environment it changes for the server)
 CONFIGURATIONS = {

@@ -1,13 +1,13 @@
-"""GPU smoke run: the whole pipeline on one CUDA GPU with ART's LocalBackend, meant for under a quarter of an hour.
+"""GPU smoke run: the whole pipeline on one CUDA GPU with ART's LocalBackend (not yet run on a GPU, so not timed).
 
     make gpu-smoke                                    # = .venv-gpu/bin/python bench/gpu_smoke.py
     python bench/gpu_smoke.py --base-model Qwen/Qwen2.5-1.5B-Instruct --questions 50
 
 Runs the real commands, as a user would, on the bundled demo inbox: build-db --demo; train --backend local
---demo on Qwen2.5-0.5B-Instruct (the demo preset: a warm start on the scripted expert's episodes, then GRPO, here
-2 steps, vLLM serving the LoRA between them); then one evaluation of step 0 (the untrained LoRA: the base model)
-and the last step on held-out test questions, both steps served by one LocalBackend. Prints what it checks and
-what each phase took, then the before/after table with the paired test.
+--demo on Qwen2.5-0.5B-Instruct (the demo preset: a warm start on the scripted expert's episodes, then GRPO steps
+of the preset's groups and rollouts, here 2 steps, vLLM serving the LoRA between them); then one evaluation of step 0
+(the untrained LoRA: the base model) and the last step on held-out test questions, both steps served by one
+LocalBackend. Prints what it checks and what each phase took, then the before/after table with the paired test.
 
 The stack (unsloth's trainer and ART's vLLM) starts twice, once per command: ART 0.5.18 serves a run only through
 a LocalBackend that loads the trainer too, and a backend lives in one process. There is no separate preflight
@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 NAME = "gpu-smoke"
+
+from email_agent.config import DEMO_PRESET  # noqa: E402  (light: what `train --help` imports)
 
 
 def commands(base_model: str, questions: int, steps: int, art_dir: str, db: str, out: str) -> list[tuple[str, list]]:
@@ -44,19 +47,19 @@ def commands(base_model: str, questions: int, steps: int, art_dir: str, db: str,
     ]
 
 
-# What the run checks, and how long it should take on one 24 GB card (an estimate: no GPU has run it yet). The first
-# start builds ART's vLLM runtime (uv sync: ~3.6 GiB from PyPI, PyTorch's and vLLM's wheel hosts; 3-5 min on a
-# fast link, once per machine) and downloads the weights (0.5B: ~1 GiB in bf16 and ~0.5 GiB in 4-bit); a stack
-# start is then ~2 min (unsloth loads the 4-bit copy, vLLM loads bf16 weights and captures CUDA graphs). The
-# warm start trains ~200 demo episodes of ~1.5k tokens (~0.3M tokens: under a minute at GPU LoRA speeds), a GRPO
-# step is 8 rollouts of up to 4 turns on vLLM plus one update (~0.5 min), and the evaluation plays 2 x 30
-# episodes (~1 min). Two stack starts: ~13 min on a first run, ~8 min once the runtime and weights are cached.
-PLAN = """GPU smoke run: {model}, a warm start, {steps} GRPO steps, {questions} test questions.
+# What the run checks. Not timed: no GPU has run it yet. It starts the stack (unsloth's trainer and ART's vLLM) twice;
+# a first start builds ART's vLLM runtime (uv sync: ~3.6 GiB from PyPI, PyTorch's and vLLM's wheel hosts, once per
+# machine) and downloads the weights (0.5B: ~1 GiB in bf16 and ~0.5 GiB in 4-bit). The warm start trains the demo
+# expert's ~200 episodes; each GRPO step plays the preset's groups x rollouts (all at once) of up to its turns, then
+# one update; the evaluation plays the two checkpoints on the test questions. (An earlier estimate, ~13 minutes,
+# assumed 8 rollouts a step; the preset has played 24 since a8f78a9.)
+PLAN = """GPU smoke run: {model}, a warm start, {steps} GRPO steps of {groups} groups x {rollouts} rollouts
+(up to {turns} turns each), {questions} test questions.
 It checks, in order: the readiness check (the card, the memory estimate, the first start's runtime and weights);
 the warm start through ART's LocalBackend (unsloth's SFT); GRPO steps with vLLM serving each new LoRA as name@step;
 the evaluation of step 0 and the last step, served by one LocalBackend, with the paired test.
-Expected: about 13 minutes on a first run (ART builds its vLLM runtime and downloads the weights: 3-6 of them),
-about 8 once they are cached; the stack starts twice (train, evaluate)."""
+Not timed yet (no GPU has run it): the stack starts twice (train, evaluate), and a first run also builds ART's vLLM
+runtime and downloads the weights; it prints each phase's time at the end."""
 
 
 def main() -> int:
@@ -69,7 +72,9 @@ def main() -> int:
     work = ROOT / args.workdir
     work.mkdir(parents=True, exist_ok=True)
     db, art_dir, out = str(work / "demo.db"), str(work / "art"), str(work / "eval")
-    print(PLAN.format(model=args.base_model, steps=args.steps, questions=args.questions), flush=True)
+    print(PLAN.format(model=args.base_model, steps=args.steps, questions=args.questions,
+                      groups=DEMO_PRESET["groups_per_step"], rollouts=DEMO_PRESET["rollouts_per_group"],
+                      turns=DEMO_PRESET["max_turns"]), flush=True)
     timings = []
     for phase, argv in commands(args.base_model, args.questions, args.steps, art_dir, db, out):
         if phase == "build the demo inbox" and Path(db).exists():
