@@ -1,8 +1,9 @@
 """The GPU path, proven on CPU with ART 0.5.18's own code: every sequence a backend trains on is the prompt the
 server rendered plus the ids it sampled, turn after turn; the warm start teaches tool calls the agent's parser
-reads. Both with SmolLM2's template (the CPU backend's) and a Qwen2.5-style hermes template (the GPU default's
-family), through ART's real tokenizer called as LocalBackend calls it. The raw groups, as the loop handed them to
-LocalBackend before `training_data` existed, fail the same checks: the tests say so."""
+reads. Both with SmolLM2's template (the CPU backend's) and Qwen2.5's real tokenizer and template (the GPU default's
+family: its vocabulary, its hermes template, no generation markers), through ART's real tokenizer called as
+LocalBackend calls it. The raw groups, as the loop handed them to LocalBackend before `training_data` existed, fail
+the same checks: the tests say so."""
 
 import asyncio
 import copy
@@ -15,7 +16,6 @@ from art.local import LocalBackend
 from art.preprocessing.tokenize import (_messages_for_chat_template, _normalize_tools_for_chat_template,
                                         tokenize_trajectory_groups)
 from openai import AsyncOpenAI
-from transformers import AutoTokenizer
 
 from email_agent import backends
 from email_agent.training import training_data
@@ -43,9 +43,9 @@ def scripts_for(q) -> dict:
     }
 
 
-@pytest.fixture(params=["smollm2", "qwen2.5-style"])
-def tokenizer(request, smollm2_tokenizer, qwen_style_model_dir):
-    return smollm2_tokenizer if request.param == "smollm2" else AutoTokenizer.from_pretrained(qwen_style_model_dir)
+@pytest.fixture(params=["smollm2", "qwen2.5"])
+def tokenizer(request):
+    return request.getfixturevalue("smollm2_tokenizer" if request.param == "smollm2" else "qwen25_tokenizer")
 
 
 def play(tokenizer, db, questions):
@@ -202,3 +202,14 @@ def test_warm_start_teaches_what_vllm_shows_and_calls_the_parser_reads(tokenizer
     if qwen_style:
         with pytest.raises(ValueError, match="must be a JSON object"):
             parsed_calls(rendered(episodes[0]))  # the episodes as they were handed over before
+
+
+def test_the_qwen2_5_style_fixture_is_qwen_s_real_template_but_for_its_default_system_prompt(qwen25_tokenizer):
+    """tests/fixtures' template (the loop's wiring tests run it on SmolLM2's small vocabulary) is Qwen2.5's own."""
+    from conftest import QWEN_STYLE_TEMPLATE
+
+    fixture = QWEN_STYLE_TEMPLATE.read_text()
+    fixture = fixture[fixture.index("-#}") + len("-#}\n"):]
+    qwen_s = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    real = qwen25_tokenizer.chat_template.replace(qwen_s, "You are a helpful assistant.")
+    assert fixture.strip() == real.strip()
