@@ -159,3 +159,14 @@ def test_make_setup_gpu_stops_before_downloading_on_a_machine_without_a_gpu(tmp_
     assert done.returncode != 0
     assert "make setup-gpu: no NVIDIA GPU is visible" in done.stderr
     assert not (tmp_path / "gpu").exists(), "nothing is installed before the check"
+
+
+def test_make_demo_builds_trains_and_evaluates_after_the_install(tmp_path):
+    """The main job's recipe (an install edit once dropped it: `make demo` then did nothing and exited 0)."""
+    printed = subprocess.run(["make", "-n", "demo", f"VENV={tmp_path}/a", f"VLLM_VENV={tmp_path}/b"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    jobs = [line for line in printed if "_email_search_agent.py" in line]
+    assert [job.split()[1:3] for job in jobs] == [["train_email_search_agent.py", "build-db"],
+                                                  ["train_email_search_agent.py", "train"],
+                                                  ["test_email_search_agent.py", "--demo"]]
+    assert printed.index(jobs[0]) > max(i for i, line in enumerate(printed) if "pip install" in line)
