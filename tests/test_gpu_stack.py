@@ -49,13 +49,13 @@ def unsloth_zoo_without_a_gpu(monkeypatch):
 
 
 def test_the_warm_start_through_art_s_local_backend_trains_exactly_the_assistant_turns(
-        monkeypatch, tmp_path, demo_db, qwen_style_model_dir, unsloth_zoo_without_a_gpu):
+        monkeypatch, tmp_path, demo_db, qwen25_model_dir, unsloth_zoo_without_a_gpu):
     """`train`'s warm start (sft.warm_start) on a GPU run: ART's LocalBackend tokenizes each episode with the
     model's template and masks it with unsloth_zoo's train_on_responses_only. What it trains must be each
     assistant turn (a tool call the agent's parser reads) and nothing the tools or the user said."""
     questions = qmod.select_questions(demo_db, "train", seed=0)[:4]
     episodes = asyncio.run(expert_trajectories(demo_db, questions, Episode()))
-    cfg = cli.TrainConfig(base_model=str(qwen_style_model_dir), sft_from="expert", sft_batch_size=2,
+    cfg = cli.TrainConfig(base_model=str(qwen25_model_dir), sft_from="expert", sft_batch_size=2,
                           sft_schedule="constant", art_dir=str(tmp_path))
     with on_a_gpu_machine(monkeypatch, scripts={}):
         backend = backends.make_backend("local", cfg)
