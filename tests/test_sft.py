@@ -204,3 +204,47 @@ def test_tiny_warm_start_raises_expert_logprobs_and_teaches_smollm2_to_call_a_to
             if call.function.name in names and isinstance(arguments, dict):
                 parsed.append((call.function.name, arguments))
     assert parsed, [t.messages_and_choices[-1] for t in trajs]
+
+
+def _expert_messages(demo_db, tokenizer, count: int):
+    """Demo-expert episodes as the warm start hands them to a backend (`for_sft`, arguments in the template's form)."""
+    from art.trajectories import get_messages
+
+    from email_agent.training.training_data import argument_form, for_sft
+
+    config = Episode(max_turns=4, max_body_chars=600, search_results=3)
+    train = qmod.select_questions(demo_db, "train", seed=0)[:count]
+    trajs = for_sft(asyncio.run(expert_trajectories(demo_db, train, config)), argument_form(tokenizer.chat_template))
+    return [(get_messages(t.messages_and_choices), t.tools) for t in trajs]
+
+
+def test_assistant_turns_are_found_as_smollm2s_generation_markers_mark_them(demo_db, smollm2_tokenizer):
+    """The trainer finds assistant turns without {% generation %} markers (ART's way: the turns replaced by a
+    stand-in); on SmolLM2's template, which has the markers, it finds exactly the tokens they mark."""
+    from email_agent.backends.cpu.model import assistant_token_mask
+
+    episodes = _expert_messages(demo_db, smollm2_tokenizer, 24)
+    assert len(episodes) >= 12
+    for messages, tools in episodes:
+        marked = smollm2_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                                       return_assistant_tokens_mask=True)
+        ids, mask = assistant_token_mask(smollm2_tokenizer, messages, tools)
+        assert ids == marked["input_ids"]
+        assert mask == marked["assistant_masks"]
+        assert sum(mask) > 20
+
+
+def test_templates_the_trainer_cannot_read_are_refused_in_one_sentence(smollm2_tokenizer):
+    import copy
+
+    from email_agent.backends.cpu.model import check_chat_template
+
+    check_chat_template(smollm2_tokenizer, "smollm2")  # its own template passes
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    # a template that drops earlier assistant turns' text (as reasoning templates drop earlier thinking)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                               "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(DataError, match=r"^Base model 'odd': its chat template does not render") as error:
+        check_chat_template(tokenizer, "odd")
+    assert "\n" not in str(error.value)

@@ -107,9 +107,10 @@ def make_backend(name: str, cfg):
     """Build the chosen backend; `cfg` is the training config (art_dir, seed, LoRA and memory settings)."""
     if name == "cpu":
         # here, not at the top: the CPU backend imports torch, transformers, peft and ART (seconds)
-        from email_agent.backends.cpu import CPUBackend, find_base_model
+        from email_agent.backends.cpu import CPUBackend
+        from email_agent.backends.cpu.model import check_base_model
 
-        find_base_model(cfg.base_model)
+        check_base_model(cfg.base_model)
         return CPUBackend(path=cfg.art_dir, seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
                           train_threads=cfg.cpu_train_threads or os.cpu_count() or 1)
     if name == "local":

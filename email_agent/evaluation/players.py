@@ -276,9 +276,9 @@ def cpu_served_name(base_model: str) -> str:
 
 async def _start_cpu_server(base_model: str, options: Options, stack: contextlib.AsyncExitStack, lora_rank: int):
     # here, not at the top: backends.cpu imports torch, transformers, peft and ART (seconds)
-    from email_agent.backends.cpu import load_base_model, served_model_dir
+    from email_agent.backends.cpu.model import load_tokenizer, served_model_dir
 
-    _, tokenizer = await asyncio.to_thread(load_base_model, base_model)  # its tool chat template
+    tokenizer = await asyncio.to_thread(load_tokenizer, base_model)  # its tool chat template
     log = Path(options.log_dir or Path(options.art_dir) / "logs") / "vllm-evaluation.log"
     server = VLLMServer(served_model_dir(base_model), cpu_served_name(base_model),
                         chat_template=tokenizer.chat_template, log_path=log,

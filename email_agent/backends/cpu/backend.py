@@ -36,7 +36,7 @@ from tqdm import tqdm
 from email_agent.backends.art_backends import DENSE_TARGET_MODULES
 from email_agent.backends.vllm_server import VLLMServer
 from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
-from email_agent.backends.cpu.model import load_base_model, served_model_dir
+from email_agent.backends.cpu.model import load_base_model, load_tokenizer, served_model_dir
 from email_agent.backends.cpu.trainer import Trainer, new_optimizer
 from email_agent.errors import DataError
 
@@ -113,7 +113,7 @@ class CPUBackend:
                 return
             raise ValueError(f"CPUBackend already trains {self._model.name!r}; use one backend per model.")
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-backend-trainer")
-        _, tokenizer = await self.call(load_base_model, model.base_model)  # its tool chat template
+        tokenizer = await self.call(load_tokenizer, model.base_model)  # its tool chat template
         self._server = VLLMServer(
             await self.call(served_model_dir, model.base_model), f"base:{os.path.basename(model.base_model)}",
             chat_template=tokenizer.chat_template, log_path=os.path.join(model_dir, "logs", "vllm.log"),

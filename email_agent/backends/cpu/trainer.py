@@ -28,7 +28,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from transformers import DynamicCache
 
-from email_agent.backends.cpu.model import inference_dtype
+from email_agent.backends.cpu.model import assistant_token_mask, inference_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -245,20 +245,18 @@ class Trainer:
     # -- SFT ---------------------------------------------------------------------------------------
 
     def sft_batch(self, trajectories: list[Trajectory], learning_rate: float) -> dict[str, float]:
-        """Mean negative log-likelihood of the assistant tokens (the template's {% generation %} spans),
-        then one AdamW step with gradients clipped to norm 1."""
+        """Mean negative log-likelihood of the assistant tokens (each turn's text and its end of turn, found as
+        ART's tokenizer finds sampled turns: `assistant_token_mask`), then one AdamW step with gradients clipped
+        to norm 1."""
         started = time.monotonic()
         examples = []
         for trajectory in trajectories:
-            encoded = self.tokenizer.apply_chat_template(
-                get_messages(trajectory.messages_and_choices), tools=trajectory.tools, tokenize=True,
-                return_dict=True, return_assistant_tokens_mask=True)
-            tokens = torch.tensor([encoded["input_ids"]])
-            targets = shift_tensor(torch.tensor([encoded["assistant_masks"]], dtype=torch.bool), False)
+            ids, mask = assistant_token_mask(self.tokenizer, get_messages(trajectory.messages_and_choices),
+                                             trajectory.tools)
+            tokens = torch.tensor([ids])
+            targets = shift_tensor(torch.tensor([mask], dtype=torch.bool), False)
             if targets.any():
                 examples.append((tokens, targets))
-        if trajectories and not examples and "generation" not in str(self.tokenizer.chat_template):
-            raise ValueError("SFT needs {% generation %} markers in the chat template to find assistant tokens.")
         total = sum(int(targets.sum()) for _, targets in examples)
         self._prepare_optimizer("sft", learning_rate)
         loss_sum = 0.0
