@@ -32,8 +32,8 @@ from email_agent.data import build, generate
 from email_agent import backends, cli, runs
 from email_agent.agent.rewards import valid_tool_call_rate
 from email_agent.evaluation import players
-from email_agent.config import (DEFAULT_DB, DEMO_DB, DEMO_PRESET, TrainConfig, check, config_from_args, cpu_preset,
-                                run_dir, saved_config)
+from email_agent.config import (DEFAULT_DB, DEMO_DB, DEMO_PRESET, TrainConfig, check, check_warm_start,
+                                config_from_args, cpu_preset, run_dir, saved_config)
 from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB, check_day, visible_until
 
@@ -215,6 +215,10 @@ async def train(cfg: TrainConfig) -> None:
             health = step_health.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
             if batch.step == 0:  # a fresh run says at once whether it can learn
                 verdict = say_whether_it_can_learn(cfg, health, plan.episode.reward, False)
+                if verdict.cannot_learn and not cfg.train_anyway:  # not hours of steps that learn nothing
+                    raise DataError(f"{verdict.headline.rstrip('.')}; stopped before its first update, with the run "
+                                    f"kept (rerun with the fix to go on from here, or add --train-anyway to train "
+                                    f"regardless).")
                 print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
             # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled, of the
             # groups whose rewards differ by more than judge noise ----
@@ -292,6 +296,7 @@ async def say_what_a_cpu_step_costs(plan, policy, max_batch_size: int) -> None:
 def train_command(args) -> None:
     cfg = config_from_args(args)
     check(cfg)  # before the run's lock file is made
+    check_warm_start(cfg)  # and before ART loads: seconds
     runs.check_name("--name", cfg.name)
     runs.check_name("--project", cfg.project)
     if preset := cpu_preset(args):

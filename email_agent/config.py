@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from email_agent import backends
-from email_agent.runs import ART_DIR, PROJECT, run_path
+from email_agent.runs import ART_DIR, PROJECT, read_state, run_path
 from email_agent.errors import DataError
 from email_agent.agent.episode import Episode
 
@@ -31,6 +31,7 @@ class TrainConfig:
     art_dir: str = ART_DIR  # where runs live
     fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
     preflight: bool = False  # gather one step's groups, say if GRPO can learn from them (exit 1 if not); trains nothing
+    train_anyway: bool = False  # train even when the first step's check says GRPO cannot learn (otherwise it stops)
     seed: int = 0  # one seed for question order, sampling and LoRA init
     backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
     base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
@@ -151,6 +152,7 @@ def check(cfg: TrainConfig) -> None:
     if cfg.wandb and not wandb_installed():  # ART 0.5.18's model.log imports it for W&B metrics
         raise DataError("--wandb logs through the wandb package, which is not installed here: "
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
+    backends.cpu_dtype()  # an environment variable mistyped would otherwise stop the CPU trainer minutes in
     if cfg.keep_checkpoints not in ("best", "all"):
         raise DataError("--keep-checkpoints is best or all")
     if not -1 <= cfg.advantage_balance <= 1:
@@ -173,10 +175,13 @@ def check(cfg: TrainConfig) -> None:
         raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
                 "sft_batch_size", "max_turns", "max_tokens", "max_body_chars", "search_results", "lora_rank",
-                "lora_alpha"):
+                "lora_alpha", "max_num_seqs", "max_seq_length"):
         if getattr(cfg, key) < 1:
             raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
-    for key in ("val_size", "train_limit", "sft_limit", "max_steps"):
+    if not 0 < cfg.gpu_memory_utilization <= 1:  # vLLM's share of the card
+        raise DataError(f"--gpu-memory-utilization is a share of the GPU's memory, above 0 and at most 1, not "
+                        f"{cfg.gpu_memory_utilization}")
+    for key in ("val_size", "train_limit", "sft_limit", "max_steps", "cpu_train_threads"):
         if getattr(cfg, key) < 0:
             raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
     if cfg.sft_only and not cfg.sft_from:
@@ -185,6 +190,22 @@ def check(cfg: TrainConfig) -> None:
     if cfg.sft_from not in ("", *EXPERT_NAMES) and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
         raise DataError(f"--sft-from {cfg.sft_from}: expected 'expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")
+
+
+def check_warm_start(cfg: TrainConfig) -> None:
+    """SmolLM2 never makes a valid tool call untrained, so GRPO from it learns nothing, for hours on a CPU: a run of
+    it on the CPU backend with no warm start, now or earlier in the run, is refused in a second, before ART loads
+    (--preflight measures it instead)."""
+    if (cfg.sft_from or cfg.train_anyway or cfg.preflight
+            or cfg.base_model not in ("", "smollm2", backends.CPU_BASE_MODEL)
+            or backends.resolve_backend(cfg.backend) != "cpu"
+            or not cfg.fresh and read_state(run_dir(cfg)).get("sft_done")):
+        return
+    what = ("no GPU found, so this run would train SmolLM2-135M-Instruct on the CPU" if cfg.backend == "auto"
+            else "the CPU backend's SmolLM2-135M-Instruct")
+    demo = "" if cfg.demo else ", or train the demo inbox with --demo"
+    raise DataError(f"{what}, which never makes a valid tool call untrained, so GRPO would learn nothing: "
+                    f"warm-start it with --sft-from expert{demo}, or add --train-anyway to train regardless.")
 
 
 def opening_lines(cfg: TrainConfig, backend: str, train: int, unanswerable: int, val: int, steps: int,

@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -206,8 +207,18 @@ def check_resumable(directory: Path, config: dict) -> None:
         if key == "db" and before is not None:
             before, now = str(Path(before).resolve()), str(Path(now).resolve())
         if key in previous and before != now:
-            raise DataError(f"run {directory.name!r} was trained with {key}={before!r}, not {now!r}; use --fresh "
-                            f"to start it over, or another --name.")
+            raise DataError(f"run {directory.name!r} was trained with {as_flag(key, before)}, not {as_flag(key, now)}; "
+                            f"pass {as_flag(key, before)} to resume it (--fresh would delete the run and start it "
+                            f"over; another --name starts a new run).")
+
+
+def as_flag(key: str, value) -> str:
+    """A config key's value as the `train` flag that sets it (cli.add_dataclass_flags: --max-turns 4; a boolean
+    is --single-source or --no-single-source), for a person to paste back into the command."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {shlex.quote(str(value))}"
 
 
 def start(directory: Path, config: dict, fresh: bool = False, preflight: bool = False) -> None:

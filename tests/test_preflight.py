@@ -184,7 +184,7 @@ def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, qwen_style
     # the scripted server sends no logprobs: every step trains on nothing, and the loop says so
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
     made = run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
-                    qwen_style_model_dir, max_steps=3)
+                    qwen_style_model_dir, max_steps=3, train_anyway=True)  # told to go on past the first verdict
     out, err = capsys.readouterr()
     assert len(made["backend"].train_calls) == 3
     assert "trainable groups     0/2" in out and "warning: cannot learn: no assistant turn has logprobs" in out
@@ -195,6 +195,37 @@ def test_loop_marks_steps_that_learned_nothing(demo_db, demo_db_path, qwen_style
     rows = [row for row in history if "data/step_trainer_tokens" in row]  # ART's own record of each step
     assert [row["train/trainable_group_share"] for row in rows] == [0.0, 0.0, 0.0]
     assert [row["train/trained_token_share"] for row in rows] == [0.0, 0.0, 0.0]
+
+
+def test_a_first_step_that_cannot_learn_stops_the_run_before_training_and_keeps_it(demo_db, demo_db_path,
+                                                                                  qwen_style_model_dir, tmp_path,
+                                                                                  monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    # served as vLLM serves (logprobs and all), a policy that never calls a tool: no warm start to fall back on
+    tokenizer = AutoTokenizer.from_pretrained(qwen_style_model_dir)
+    chatty = {q.question: [{"text": "Let me think."}, {"text": "Hmm."}]
+              for q in qmod.select_questions(demo_db, "train", seed=0)}
+    argv = ["train", "--backend", "local", "--name", "h", "--art-dir", str(tmp_path), "--db", str(demo_db_path),
+            "--val-size", "0", "--train-limit", "4", "--groups-per-step", "2", "--rollouts-per-group", "2",
+            "--max-turns", "2", "--max-steps", "1", "--eval-every", "100", "--base-model", str(qwen_style_model_dir)]
+    with on_a_gpu_machine(monkeypatch, chatty, tokenizer) as (made, _, _):
+        code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in err and "preflight: 2 groups x 2 rollouts" in out
+    error = [line for line in err.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1 and error[0].startswith("Error: cannot learn: no valid tool calls; warm-start it first: "
+                                                   "--sft-from expert") and "--train-anyway" in error[0]
+    assert made[-1].train_calls == [] and made[-1].closed  # stopped before the update, the backend shut down
+    run = tmp_path / "email-agent/models/h"
+    assert (run / "run_config.json").is_file() and (run / "checkpoints" / "0000").is_dir()
+    assert not (run / "history.jsonl").exists() or '"train/reward"' not in (run / "history.jsonl").read_text()
+    # the run was kept as it was: the same command told to go on resumes it and trains the same first step
+    with on_a_gpu_machine(monkeypatch, chatty, tokenizer) as (made, _, _):
+        assert cli.main([*argv, "--train-anyway"]) == 0
+    out, err = capsys.readouterr()
+    assert "resuming run 'h'" in err and "warning: cannot learn: no valid tool calls" in out
+    assert len(made[-1].train_calls) == 1 and (run / "checkpoints" / "0001").is_dir()
 
 
 def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, capsys):

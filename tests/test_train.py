@@ -10,10 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
@@ -128,7 +130,8 @@ def test_interrupt_shuts_down_cleanly(demo_db_path, tmp_path, sig, own_vllm):
 def test_interrupt_mid_step_cancels_the_rollouts_in_flight(demo_db_path, tmp_path):
     """ART's gather counts a cancelled rollout as a failed one and waits for the others: one Ctrl-C must still
     end the step now, not after every rollout of it has played out (minutes with these settings)."""
-    proc = subprocess.Popen(train_cmd(demo_db_path, tmp_path / "art", "--sft-from", "", "--groups-per-step", 4,
+    proc = subprocess.Popen(train_cmd(demo_db_path, tmp_path / "art", "--sft-from", "", "--train-anyway",
+                                      "--groups-per-step", 4,
                                       "--rollouts-per-group", 4, "--max-turns", 6, "--max-tokens", 512, "--val-size", 1,
                                       "--eval-every", 100), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -153,12 +156,12 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
     (cli.run_dir(cfg) / "checkpoints").mkdir()
     changed = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b")
-    with pytest.raises(cli.DataError, match="--fresh"):
+    with pytest.raises(cli.DataError, match="pass --base-model a to resume it [(]--fresh would delete the run"):
         runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"))
     runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"), fresh=True)
     # what picks the questions and the episode shape stays; rates and steps may change
     for other in (dict(seed=5), dict(val_size=0), dict(max_turns=9), dict(db="/elsewhere/me.db")):
-        with pytest.raises(cli.DataError, match=f"was trained with {next(iter(other))}="):
+        with pytest.raises(cli.DataError, match=f"was trained with --{next(iter(other)).replace('_', '-')} "):
             runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
                                                                      "cpu"))
     runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), "learning_rate": 1e-4,
@@ -167,10 +170,32 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     wider = cli.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
     runs.check_resumable(cli.run_dir(cfg), wider)
     (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
-    with pytest.raises(cli.DataError, match="was trained with groups_per_step=12, not 6"):
+    with pytest.raises(cli.DataError, match="was trained with --groups-per-step 12, not --groups-per-step 6; pass "
+                                            "--groups-per-step 12 to resume it"):
         runs.check_resumable(cli.run_dir(cfg), wider)
     assert not (cli.run_dir(cfg) / "checkpoints").exists()
     assert json.loads((cli.run_dir(cfg) / "run_config.json").read_text())["base_model"] == "b"
+
+
+@pytest.mark.parametrize("saved, given", [(["--max-turns", "4"], ["--max-turns", "6"]),
+                                          (["--no-single-source"], []),
+                                          (["--unanswerable-share", "0.25"], ["--unanswerable-share", "0.5"])])
+def test_a_changed_setting_is_refused_with_the_flag_that_resumes_the_run(demo_db_path, tmp_path, capsys, saved,
+                                                                         given):
+    argv = ["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "r"]
+    cfg = cli.config_from_args(cli.make_parser().parse_args([*argv, *saved]))
+    runs.start(cli.run_dir(cfg), cli.saved_config(replace(cfg, base_model=backends.CPU_BASE_MODEL), "cpu"))
+    (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')  # GRPO began
+    assert cli.main([*argv, *given]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    advice = re.search(r"; pass (.+) to resume it \(--fresh would delete the run and start it over; another --name "
+                       r"starts a new run\)\.$", error)
+    assert advice and advice[1] == " ".join(saved), error
+    # the advice works: with it, the run is resumable, and it was left as it was
+    resumed = cli.config_from_args(cli.make_parser().parse_args([*argv, *given, *advice[1].split()]))
+    runs.check_resumable(cli.run_dir(cfg), cli.saved_config(replace(resumed, base_model=backends.CPU_BASE_MODEL),
+                                                             "cpu"))
+    assert (cli.run_dir(cfg) / "history.jsonl").read_text().startswith('{"step": 1')
 
 
 def test_demo_preset_and_explicit_flags(monkeypatch):
@@ -187,6 +212,8 @@ def test_demo_preset_and_explicit_flags(monkeypatch):
 def train_on_scripts(scripts: dict, monkeypatch, tokenizer=None, **config):
     """cli.train as on a GPU machine: ART's LocalBackend with its GPU service stubbed (art_doubles), the policy a
     scripted server (question -> tool calls). Returns (the backend, the server, W&B runs ART would have started)."""
+    # without a tokenizer the server sends no logprobs: the first step's check would stop the run before training
+    config.setdefault("train_anyway", tokenizer is None)
     with on_a_gpu_machine(monkeypatch, scripts, tokenizer) as (made, server, wandb_runs):
         asyncio.run(cli.train(cli.TrainConfig(**config)))
     (backend,) = made
@@ -651,10 +678,56 @@ def test_counts_below_one_are_clear_errors(demo_db_path, tmp_path, capsys, flag)
     (["--advantage-balance", "2"], "--advantage-balance must be between -1 and 1, not 2.0"),
     (["--min-realistic", "5"], "--min-realistic must be between 0 and 1, not 5.0"),
     (["--sft-only", "--sft-from", ""], "--sft-only stops after the warm start, and --sft-from names none"),
+    (["--cpu-train-threads", "-1"], "--cpu-train-threads must be at least 0, not -1"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, not 0"),
+    (["--max-seq-length", "0"], "--max-seq-length must be at least 1, not 0"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization is a share of the GPU's memory, above 0 and at "
+                                        "most 1, not 0.0"),
+    (["--gpu-memory-utilization", "80"], "--gpu-memory-utilization is a share of the GPU's memory, above 0 and at "
+                                         "most 1, not 80.0"),
 ])
 def test_values_out_of_range_are_clear_errors(demo_db_path, tmp_path, capsys, flags, message):
     assert cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), *flags]) == 1
     assert message in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_a_mistyped_cpu_dtype_is_refused_before_the_run_starts(demo_db_path, tmp_path, capsys, monkeypatch):
+    from email_agent.backends.cpu import model
+
+    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "bf16")
+    assert cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path)]) == 1
+    message = ("EMAIL_AGENT_CPU_DTYPE='bf16' is not a dtype the CPU backend runs in: set it to float32 or bfloat16, "
+               "or unset it to let the backend choose")
+    assert capsys.readouterr().err.strip() == f"Error: {message}" and not any(tmp_path.iterdir())
+    with pytest.raises(cli.DataError, match=re.escape(message)):  # the trainer reads the same list
+        model.inference_dtype()
+    monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
+    assert model.inference_dtype() is torch.float32
+
+
+def test_untrained_smollm2_on_a_cpu_is_refused_at_once(demo_db_path, tmp_path, capsys, monkeypatch):
+    """The README's GPU command on a machine without one: SmolLM2 untrained would learn nothing for hours."""
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
+    argv = ["train", "--name", "qwen7b", "--judge-model", "openai/gpt-4.1-mini", "--art-dir", str(tmp_path)]
+    assert cli.main(argv) == 1  # before the judge is asked (no network here), the database opened or a model loaded
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == ("Error: no GPU found, so this run would train SmolLM2-135M-Instruct on the CPU, which never "
+                     "makes a valid tool call untrained, so GRPO would learn nothing: warm-start it with --sft-from "
+                     "expert, or train the demo inbox with --demo, or add --train-anyway to train regardless.")
+    assert not (tmp_path / "email-agent").exists()
+    assert cli.main(["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--backend", "cpu",
+                     "--sft-from", ""]) == 1
+    assert "Error: the CPU backend's SmolLM2-135M-Instruct, which never makes a valid tool call untrained, so GRPO " \
+           "would learn nothing: warm-start it with --sft-from expert, or add --train-anyway" in capsys.readouterr().err
+    # a run whose warm start is done may go on without --sft-from
+    run = tmp_path / "email-agent" / "models" / "demo"
+    run.mkdir(parents=True)
+    (run / "state.json").write_text('{"sft_done": true, "sft_steps": 1}')
+    resumed = cli.config_from_args(cli.make_parser().parse_args(
+        ["train", "--demo", "--art-dir", str(tmp_path), "--sft-from", ""]))
+    config.check_warm_start(resumed)
+    with pytest.raises(cli.DataError, match="--train-anyway"):  # unless --fresh starts it over
+        config.check_warm_start(replace(resumed, fresh=True))
 
 
 def test_an_art_dir_that_cannot_hold_runs_and_a_mistyped_demo_db_are_errors(demo_db_path, tmp_path, capsys):

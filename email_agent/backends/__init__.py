@@ -22,6 +22,7 @@ from email_agent.backends.vllm_server import lora_engine_args
 BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOCAL_MAX_LORAS = 2  # ART 0.5.18's own default: the latest step and one more
+CPU_DTYPES = ("float32", "bfloat16")  # what EMAIL_AGENT_CPU_DTYPE may name: the CPU backend's inference dtype
 
 
 class BackendError(DataError):
@@ -36,6 +37,16 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+def cpu_dtype(environ=os.environ) -> str:
+    """EMAIL_AGENT_CPU_DTYPE, one of CPU_DTYPES ('' when unset: the CPU backend chooses); a DataError for anything
+    else, which `config.check` raises before a run starts (the trainer reads it only at its first update)."""
+    chosen = environ.get("EMAIL_AGENT_CPU_DTYPE", "")
+    if chosen and chosen not in CPU_DTYPES:
+        raise DataError(f"EMAIL_AGENT_CPU_DTYPE={chosen!r} is not a dtype the CPU backend runs in: set it to "
+                        f"{' or '.join(CPU_DTYPES)}, or unset it to let the backend choose")
+    return chosen
 
 
 def resolve_backend(name: str) -> str:

@@ -83,6 +83,7 @@ def say(line: str) -> None:
 async def resolve(cfg: TrainConfig) -> Plan:
     """The run `cfg` asks for, checked and resolved; nothing is saved and no model loads."""
     check(cfg)  # values no run can use, before anything loads
+    config.check_warm_start(cfg)
     backend = backends.resolve_backend(cfg.backend)
     gpu = backends.gpu_checks.find_gpu() if backend == "local" else None
     base_model = cfg.base_model or backends.default_base_model(backend, cfg, gpu)

@@ -215,6 +215,11 @@ class Diagnosis:
     headline: str  # one plain sentence with the likely fix
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def cannot_learn(self) -> bool:
+        """GRPO would train on nothing (not merely little): reason enough to stop a run before its first update."""
+        return self.headline.startswith("cannot learn")
+
 
 def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pending: bool = False) -> Diagnosis:
     """Would training on groups like these learn? Every failing check is listed, the most fundamental first."""

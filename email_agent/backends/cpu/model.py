@@ -27,6 +27,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from email_agent.backends import cpu_dtype
 from email_agent.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -196,10 +197,8 @@ def inference_dtype() -> torch.dtype:
     bfloat16 where the CPU multiplies it natively (AMX or AVX512-BF16: prefill-sized matmuls run 5-10x faster
     than in float32 and a decoded token reads half the bytes), else float32. Trained positions and the LoRA
     weights stay float32. EMAIL_AGENT_CPU_DTYPE=float32 (or bfloat16) overrides the choice."""
-    chosen = os.environ.get("EMAIL_AGENT_CPU_DTYPE", "")
+    chosen = cpu_dtype()  # the allowed values in one place: `train` checks them before the run starts
     if chosen:
-        if chosen not in ("float32", "bfloat16"):
-            raise ValueError(f"EMAIL_AGENT_CPU_DTYPE={chosen!r}: expected float32 or bfloat16")
         return getattr(torch, chosen)
     # torch.cpu's probes are private; a torch without them gets float32.
     native = any(getattr(torch.cpu, probe, lambda: False)()
