@@ -15,7 +15,7 @@ from pathlib import Path
 from email_agent import backends
 from email_agent.runs import ART_DIR, PROJECT, read_state, run_path
 from email_agent.errors import DataError
-from email_agent.agent.episode import Episode
+from email_agent.agent.episode import SHAPE, Episode
 
 EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
 
@@ -112,13 +112,12 @@ def saved_config(cfg: TrainConfig, backend: str) -> dict:
     """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
     is served where it was trained and plays the episodes it learned on."""
     return {**asdict(cfg), "db": str(Path(cfg.db).resolve()),  # found from any folder the run is evaluated in
-            "backend": backend, "episode": Episode.from_run_config(asdict(cfg)).shape()}
+            "backend": backend, "episode": Episode.shaped_as(cfg).shape()}
 
 
 # What a CPU run takes from the demo preset when these flags are not given: its episode shape and batch. The
 # GPU-scale defaults (12 groups x 4 rollouts of up to 10 turns of 2,048 tokens) take hours a step on two cores.
-CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", "max_turns", "max_tokens", "max_body_chars",
-                   "search_results", "concurrency")
+CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", *SHAPE, "concurrency")
 
 
 def given_flags(args) -> dict:
@@ -174,8 +173,7 @@ def check(cfg: TrainConfig) -> None:
     if not 0 <= cfg.unanswerable_share < 1:
         raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
-                "sft_batch_size", "max_turns", "max_tokens", "max_body_chars", "search_results", "lora_rank",
-                "lora_alpha", "max_num_seqs", "max_seq_length"):
+                "sft_batch_size", *SHAPE, "lora_rank", "lora_alpha", "max_num_seqs", "max_seq_length"):
         if getattr(cfg, key) < 1:
             raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
     if not 0 < cfg.gpu_memory_utilization <= 1:  # vLLM's share of the card

@@ -188,7 +188,7 @@ def check_name(flag: str, value: str) -> None:
 # and these settings pick them: changed, validation questions could be trained on), and the episode shape it
 # learned and is evaluated with. Rates, steps, rewards and sampling may change between runs.
 RESUME_KEEPS = ("base_model", "lora_rank", "lora_alpha", "db", "seed", "val_size", "train_limit", "single_source",
-                "min_realistic", "max_turns", "max_tokens", "max_body_chars", "search_results")
+                "min_realistic", *SHAPE)
 # Once GRPO has taken a step, what places a resumed run in its data: the step count times another batch size,
 # or over another question list, would skip questions or repeat them.
 GRPO_KEEPS = ("groups_per_step", "num_epochs", "unanswerable_share")

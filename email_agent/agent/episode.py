@@ -10,7 +10,7 @@ evaluation's own. Kept free of heavy imports so both command lines can use it at
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 from email_agent.agent.tools import DEFAULT_MAX_BODY_CHARS, DEFAULT_SEARCH_RESULTS
@@ -18,17 +18,21 @@ from email_agent.agent.tools import DEFAULT_MAX_BODY_CHARS, DEFAULT_SEARCH_RESUL
 if TYPE_CHECKING:  # for the annotation only: rewards imports the judge's retry machinery
     from email_agent.agent.rewards import LLMJudge
 
-SHAPE = ("max_turns", "max_tokens", "max_body_chars", "search_results")  # what a run saves and a report shows
-PROMPT_SHAPE = ("max_turns", "max_body_chars", "search_results")  # what changes the prompt and the tool replies
+
+
+def _shape(default: int, meaning: str, in_prompt: bool = True):
+    """A field of the episode's shape: what a run saves, a report shows and each command line takes as a flag
+    (`meaning` is its help); `in_prompt`: it changes the prompt or the tool replies."""
+    return field(default=default, metadata={"meaning": meaning, "in_prompt": in_prompt})
 
 
 @dataclass(frozen=True)
 class Episode:
     # the shape
-    max_turns: int = 10  # agent turns per question
-    max_tokens: int = 1024  # tokens per model reply
-    max_body_chars: int = DEFAULT_MAX_BODY_CHARS  # read_email cuts longer bodies
-    search_results: int = DEFAULT_SEARCH_RESULTS  # results per search when the model does not ask for a number
+    max_turns: int = _shape(10, "agent turns per question")
+    max_tokens: int = _shape(1024, "tokens per model reply", in_prompt=False)
+    max_body_chars: int = _shape(DEFAULT_MAX_BODY_CHARS, "read_email cuts longer bodies")
+    search_results: int = _shape(DEFAULT_SEARCH_RESULTS, "results per search when the model does not ask for a number")
     # the scoring
     reward: str = "offline"  # see rewards.REWARD_MODES
     judge: LLMJudge | None = None
@@ -53,7 +57,16 @@ class Episode:
         saved = config.get("episode") or config
         return cls(**{name: saved[name] for name in SHAPE if saved.get(name) is not None})
 
+    @classmethod
+    def shaped_as(cls, settings) -> Episode:
+        """An episode of the shape `settings` holds as attributes (a TrainConfig, parsed flags), scored by default."""
+        return cls(**{name: getattr(settings, name) for name in SHAPE})
+
     def describe(self) -> str:
         return (f"{self.max_turns} turns, {self.max_tokens} tokens/reply, {self.max_body_chars} body chars, "
                 f"{self.search_results} results/search")
 
+
+SHAPE = tuple(f.name for f in fields(Episode) if "meaning" in f.metadata)  # what a run saves and a report shows
+PROMPT_SHAPE = tuple(f.name for f in fields(Episode) if f.metadata.get("in_prompt"))  # what the prompt and tools see
+MEANINGS = {f.name: f.metadata["meaning"] for f in fields(Episode) if f.name in SHAPE}  # each shape flag's help
