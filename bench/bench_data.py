@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from email_agent.data.build import build_database
-from email_agent.data.email_db import EmailDB, fts_query, normalize_email, read_emails
+from email_agent.data.email_db import EmailDB, fts_query
+from email_agent.data.sources import normalize_email, read_emails
 
 SAMPLE = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"
 

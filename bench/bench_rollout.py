@@ -25,7 +25,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from openai import AsyncOpenAI
 
 from email_agent.data.build import build_database
-from email_agent.data.email_db import EmailDB, read_emails
+from email_agent.data.email_db import EmailDB
+from email_agent.data.sources import read_emails
 from email_agent.data.questions import Question
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout

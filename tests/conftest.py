@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import email_agent  # noqa: F401  (offline environment defaults)
-from email_agent.data import build, email_db, demo, questions
+from email_agent.data import build, email_db, demo, questions, sources
 
 ENRON = ROOT.parent / "shared" / "data" / "enron"
 ENRON_EMAILS = ENRON / "emails.jsonl.gz"
@@ -58,7 +58,7 @@ def enron_db_path(tmp_path_factory) -> Path:
     if not ENRON_EMAILS.exists():
         pytest.skip(f"the real Enron sample is not at {ENRON}")
     path = tmp_path_factory.mktemp("enron") / "enron.db"
-    build.build_database(email_db.read_emails(ENRON_EMAILS), questions.read_questions(ENRON_QUESTIONS), path,
+    build.build_database(sources.read_emails(ENRON_EMAILS), questions.read_questions(ENRON_QUESTIONS), path,
                         source="enron sample", progress=False)
     return path
 

@@ -20,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT, needs_enron
-from email_agent.data import email_db, questions
+from email_agent.data import email_db, questions, sources
 from email_agent.data.build import build_database
 from email_agent.config import TrainConfig
-from email_agent.data.email_db import EmailDB, normalize_email
+from email_agent.data.email_db import EmailDB
+from email_agent.data.sources import normalize_email
 from email_agent.agent.tools import TOOLS, Inbox, call_tool, parse_arguments
 
 
@@ -405,7 +406,7 @@ def test_jsonl_gz_and_bad_lines(tmp_path):
     path = tmp_path / "e.jsonl.gz"
     with gzip.open(path, "wt") as f:
         f.write(json.dumps(record(1)) + "\n{not json\n\n" + json.dumps(record(2)) + "\n")
-    summary = build_database(email_db.read_emails(path), [], tmp_path / "a.db", source="t", progress=False)
+    summary = build_database(sources.read_emails(path), [], tmp_path / "a.db", source="t", progress=False)
     assert summary.emails == 2 and summary.skipped == {"line 2 is not JSON": 1}
 
 
@@ -421,7 +422,7 @@ def test_maildir_and_mbox_sources(tmp_path):
     box.add(msg)
     box.close()
     for source in (tmp_path / "maildir", tmp_path / "mail.mbox"):
-        rows = [normalize_email(r) for r in email_db.read_emails(source)]
+        rows = [normalize_email(r) for r in sources.read_emails(source)]
         assert len(rows) == 1
         row = rows[0]
         assert row["date"] == "2001-05-14 23:39:00"  # converted to UTC
@@ -431,7 +432,7 @@ def test_maildir_and_mbox_sources(tmp_path):
         assert row["body"].strip() == "Here is our forecast."
     assert rows[0]["file_name"].endswith("#0")
     with pytest.raises(email_db.DataError):
-        email_db.read_emails(tmp_path / "missing.jsonl")
+        sources.read_emails(tmp_path / "missing.jsonl")
 
 
 def test_a_folder_of_json_lines_parquet_and_mail_files(tmp_path):
@@ -444,7 +445,7 @@ def test_a_folder_of_json_lines_parquet_and_mail_files(tmp_path):
     pq.write_table(pa.Table.from_pylist([record(3)]), folder / "part2.parquet")
     (folder / "one.eml").write_bytes(b"Message-ID: <eml1@x>\nDate: Mon, 14 May 2001 16:39:00 -0700\n"
                                      b"From: a@x.com\nTo: b@x.com\nSubject: Hi\n\nHello.\n")
-    ids = sorted(normalize_email(r)["message_id"] for r in email_db.read_emails(folder))
+    ids = sorted(normalize_email(r)["message_id"] for r in sources.read_emails(folder))
     assert ids == ["<eml1@x>", "<m1@x>", "<m2@x>", "<m3@x>"]
 
 
@@ -455,7 +456,7 @@ def test_records_of_the_wrong_shape_are_skipped_and_counted_not_fatal(tmp_path):
              json.dumps(record(8, date=988000000)), json.dumps(record(9, date=988000000000))]
     (tmp_path / "e.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     qs = [question(i, id=qid, message_ids=[f"<m{i}@x>"]) for i, qid in ((1, "a"), (9, "a"), (8, "b"))]
-    summary = build_database(email_db.read_emails(tmp_path / "e.jsonl"), qs, tmp_path / "a.db", source="t",
+    summary = build_database(sources.read_emails(tmp_path / "e.jsonl"), qs, tmp_path / "a.db", source="t",
                              progress=False)
     assert summary.emails == 5  # the BOM line, the numeric id, the surrogate, both Unix times
     assert summary.skipped == {"not a JSON object": 3, "to_addresses is neither an address nor a list of them": 1,
@@ -516,21 +517,21 @@ def test_dates_at_the_end_of_the_calendar_and_malformed_ones():
     with pytest.raises(ValueError, match="not a date: '99999-01-01'"):
         email_db.day_start("99999-01-01")
     # years before 1000 keep four digits, so dates still compare as text (strftime wrote year 999 as '999')
-    assert email_db.parse_date("0999-06-01") == "0999-06-01 00:00:00" < email_db.day_start("2024-01-01")
-    with pytest.raises(email_db.SkipRecord, match="unparseable date"):  # before the first day there is, in UTC
-        email_db.parse_date("0001-01-01T00:00:00+05:00")
+    assert sources.parse_date("0999-06-01") == "0999-06-01 00:00:00" < email_db.day_start("2024-01-01")
+    with pytest.raises(sources.SkipRecord, match="unparseable date"):  # before the first day there is, in UTC
+        sources.parse_date("0001-01-01T00:00:00+05:00")
 
 
 def test_a_file_or_folder_without_mail_says_so(tmp_path):
     (tmp_path / "notes.mbox").write_text("hello\nnot mail\n")
     (tmp_path / "empty.mbox").write_text("")
     with pytest.raises(email_db.DataError, match="is not an mbox file: its first line is 'hello'"):
-        email_db.read_emails(tmp_path / "notes.mbox")
+        sources.read_emails(tmp_path / "notes.mbox")
     with pytest.raises(email_db.DataError, match="is not an mbox file: it is empty"):
-        email_db.read_emails(tmp_path / "empty.mbox")
+        sources.read_emails(tmp_path / "empty.mbox")
     (tmp_path / "folder").mkdir()
     with pytest.raises(email_db.DataError, match=r"^No emails in folder\.$"):
-        build_database(email_db.read_emails(tmp_path / "folder"), [], tmp_path / "a.db", source="folder",
+        build_database(sources.read_emails(tmp_path / "folder"), [], tmp_path / "a.db", source="folder",
                        progress=False)
     assert not (tmp_path / "a.db").exists()
 
@@ -551,7 +552,7 @@ def test_hub_schema_via_parquet(tmp_path):
         "bcc": [["c@x.com"]], "date": [dt.datetime(2001, 3, 4, 5, 6, 7)], "body": ["hello"],
         "file_name": ["x/1."]}, features=features)
     ds.to_parquet(tmp_path / "hub.parquet")
-    build_database(email_db.read_emails(tmp_path / "hub.parquet"), [], tmp_path / "a.db", source="t", progress=False)
+    build_database(sources.read_emails(tmp_path / "hub.parquet"), [], tmp_path / "a.db", source="t", progress=False)
     email = EmailDB(tmp_path / "a.db").read("<h1@x>")
     assert (email.date, email.to_addresses, email.bcc_addresses) == ("2001-03-04 05:06:07", ["b@x.com"], ["c@x.com"])
     for row in ds:  # what read_hub_emails yields goes through the same normaliser
@@ -560,7 +561,7 @@ def test_hub_schema_via_parquet(tmp_path):
 
 def test_hub_questions_are_both_splits_each_row_tagged_with_its_own(monkeypatch):
     hub = {"corbt/enron_emails_sample_questions": {"train": [{"id": 1}, {"id": 2}], "test": [{"id": 3}]}}
-    monkeypatch.setattr(email_db, "load_hub_dataset", hub.__getitem__)
+    monkeypatch.setattr(sources, "load_hub_dataset", hub.__getitem__)
     assert list(questions.read_hub_questions()) == [{"id": 1, "split": "train"}, {"id": 2, "split": "train"},
                                                     {"id": 3, "split": "test"}]
 

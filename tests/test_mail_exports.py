@@ -9,10 +9,11 @@ import quopri
 
 import pytest
 
-from email_agent.data import email_db
+from email_agent.data import sources
 from email_agent.data.build import build_database
 from email_agent.errors import DataError
-from email_agent.data.email_db import EmailDB, normalize_email
+from email_agent.data.email_db import EmailDB
+from email_agent.data.sources import normalize_email
 from email_agent.data.mime import decode_bytes, decode_header, html_to_text, message_body
 
 
@@ -132,7 +133,7 @@ def mbox(*messages: bytes) -> bytes:
 
 
 def records(path):
-    return {r["message_id"]: r for r in (normalize_email(x) for x in email_db.read_emails(path))}
+    return {r["message_id"]: r for r in (normalize_email(x) for x in sources.read_emails(path))}
 
 
 def test_gmail_takeout_mbox(tmp_path):
@@ -188,7 +189,7 @@ def test_thunderbird_profile_and_nested_maildirs(tmp_path):
                  "me.db.tmp-4242", "me.db-journal", "me.db.questions-cache.jsonl"):
         (md / junk).write_bytes(b"3 V1 N1\n")
     (md / ".Sent" / "maildirfolder").write_bytes(b"")
-    summary = build_database(email_db.read_emails(tmp_path / "export"), [], tmp_path / "tb.db", source="t",
+    summary = build_database(sources.read_emails(tmp_path / "export"), [], tmp_path / "tb.db", source="t",
                              progress=False)
     assert summary.emails == 6 and summary.duplicates == 1 and summary.skipped == {}
     db = EmailDB(tmp_path / "tb.db")
@@ -211,7 +212,7 @@ def test_single_eml_and_outlook_archives(tmp_path):
     assert list(records(tmp_path / "one.eml")) == ["<DM6PR01@outlook.com>"]
     (tmp_path / "Outlook.pst").write_bytes(b"!BDN....")
     with pytest.raises(DataError, match="Outlook archive.*export the folders as mbox"):
-        email_db.read_emails(tmp_path / "Outlook.pst")
+        sources.read_emails(tmp_path / "Outlook.pst")
 
 
 @pytest.mark.parametrize("payload,charset,expected", [

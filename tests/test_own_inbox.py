@@ -16,7 +16,8 @@ import pytest
 
 from conftest import ENRON_EMAILS, ROOT
 from email_agent.data import questions as qmod
-from email_agent.data.email_db import EmailDB, parse_date
+from email_agent.data.email_db import EmailDB
+from email_agent.data.sources import parse_date
 from scripted_server import expert_script, serve_in_thread
 
 ME = "me@home.example"

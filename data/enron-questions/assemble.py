@@ -6,7 +6,7 @@
 A draft line is {"question", "answer", "message_ids", "inbox_address", "query_date", "how_realistic"}. A question
 is kept only if:
 - every cited email is in the sample and in the inbox of `inbox_address` (it sent or received it: from, to, cc or
-  bcc), with build-db's own normalisation (email_agent.data.email_db.normalize_email), so build-db finds every gold
+  bcc), with build-db's own normalisation (email_agent.data.sources.normalize_email), so build-db finds every gold
   email;
 - every cited email is dated strictly before query_date (the agent's "today": stored dates compared with
   email_agent.data.email_db.day_start, as the tools compare them);
@@ -37,7 +37,8 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
 from email_agent.errors import DataError
-from email_agent.data.email_db import SkipRecord, day_start, normalize_email, read_emails
+from email_agent.data.email_db import day_start
+from email_agent.data.sources import SkipRecord, normalize_email, read_emails
 from email_agent.data.generate import assign_splits
 
 DEFAULT_EMAILS = ROOT.parent / "shared" / "data" / "enron" / "emails.jsonl.gz"

@@ -21,8 +21,8 @@ from urllib.parse import quote
 from tqdm import tqdm
 
 from email_agent.data import demo as demo_inbox
-from email_agent.data.email_db import (INDEXES, SCHEMA, SkipRecord, member_token, normalize_email, read_emails,
-                                       read_hub_emails)
+from email_agent.data.email_db import INDEXES, SCHEMA, member_token
+from email_agent.data.sources import SkipRecord, normalize_email, read_emails, read_hub_emails
 from email_agent.errors import DataError
 from email_agent.data.questions import normalize_question, read_hub_questions, read_questions
 

@@ -2,7 +2,7 @@
 
 Owns: decoding headers (RFC 2047 encoded words, raw 8-bit bytes), choosing a message's body among its MIME
 parts (text/plain preferred, HTML turned into text, attachments skipped), and decoding bytes in whatever
-charset the message claims, including wrong or unknown ones. `data.message_to_record` uses it; it knows
+charset the message claims, including wrong or unknown ones. `sources.message_to_record` uses it; it knows
 nothing of the database.
 
 HTML is turned into text with the standard library's html.parser (no new dependency): enough for search

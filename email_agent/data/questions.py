@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Iterator
 
 from email_agent.errors import DataError
-from email_agent.data.email_db import EmailDB, read_jsonl, read_parquet
+from email_agent.data.email_db import EmailDB
+from email_agent.data.sources import read_jsonl, read_parquet
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ def read_questions(path: str | Path) -> Iterator[dict]:
 
 def read_hub_questions(name: str = "corbt/enron_emails_sample_questions") -> Iterator[dict]:
     """Both splits of the ART·E question set, each row tagged with its split."""
-    # here, not at the top: tests patch email_db.load_hub_dataset, so it is looked up at each call
-    from email_agent.data.email_db import load_hub_dataset
+    # here, not at the top: tests patch sources.load_hub_dataset, so it is looked up at each call
+    from email_agent.data.sources import load_hub_dataset
 
     splits = load_hub_dataset(name)
     for split in ("train", "test"):
