@@ -1,8 +1,8 @@
 """Building the database: emails and questions from any source into one SQLite file, atomically.
 
 Owns: the build (load emails, the inbox table, the FTS5 index and secondary indexes, then the questions with
-a flag saying whether their cited emails are present) and its summary. It sits above `data` (schema,
-record normalisation, read-only access) and `questions` (the question schema), which know nothing of it.
+a flag saying whether their cited emails are present) and its summary. It sits above `sources` (reading and
+normalising records), `email_db` (the schema) and `questions` (the question schema), which know nothing of it.
 """
 
 from __future__ import annotations
@@ -165,9 +165,44 @@ def _process_alive(pid: str) -> bool:
 
 
 def _fill(conn, emails, questions, summary, source, total, progress):
+    """The build, in a private file: the emails and who is in each inbox, the indexes, the questions, the meta."""
     # The file is private until renamed into place, so durability during the build buys nothing.
     conn.executescript("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-200000;")
     conn.executescript(SCHEMA)
+    conn.execute("BEGIN")
+    seen = _load_emails(conn, emails, summary, total, progress)
+    # SQLite sorts faster than Python, and appending in key order is much faster than random inserts.
+    # (OR IGNORE drops a sender who is also a recipient: cheaper than UNION's de-duplication.)
+    conn.execute("INSERT OR IGNORE INTO mailbox SELECT address, email_id FROM ("
+                 "SELECT from_address AS address, id AS email_id FROM emails WHERE from_address != '' "
+                 "UNION ALL SELECT address, email_id FROM recipients) ORDER BY address, email_id")
+    summary.emails = len(seen)
+    if summary.emails == 0:
+        if not summary.skipped:
+            raise DataError(f"No emails in {source}.")
+        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped; "
+                        f"first: {summary.skip_examples[0]}).")
+
+    # A 32 MB term buffer (default 1 MB) writes fewer, larger FTS segments, so less merging.
+    conn.execute("INSERT INTO emails_fts(emails_fts, rank) VALUES ('hashsize', 33554432)")
+    steps = [("full-text index", "INSERT INTO emails_fts(emails_fts) VALUES ('rebuild')"), ("indexes", INDEXES)]
+    for name, sql in tqdm(steps, desc="indexing", unit=" step", disable=not progress):
+        conn.executescript(sql) if ";" in sql else conn.execute(sql)
+
+    _load_questions(conn, questions, seen, summary)
+    summary.addresses = conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
+    summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()
+    meta = {"source": source, "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "emails": str(summary.emails), "duplicates": str(summary.duplicates),
+            "skipped": json.dumps(summary.skipped), "schema_version": "2"}
+    conn.executemany("INSERT INTO meta VALUES (?,?)", sorted(meta.items()))
+    conn.execute("COMMIT")
+    conn.execute("ANALYZE")
+
+
+def _load_emails(conn, emails, summary, total, progress) -> set[str]:
+    """Every usable email and its recipients, in source order (a record's id is its place); returns the
+    message_ids stored. Malformed records are counted by reason, duplicates by number."""
     seen: set[str] = set()
     email_rows, recipient_rows = [], []
 
@@ -176,7 +211,6 @@ def _fill(conn, emails, questions, summary, source, total, progress):
         conn.executemany("INSERT INTO recipients VALUES (?,?,?)", recipient_rows)
         email_rows.clear(), recipient_rows.clear()
 
-    conn.execute("BEGIN")
     bar = tqdm(emails, total=total, unit=" emails", desc="loading", disable=not progress, mininterval=0.5)
     for n, raw in enumerate(bar, 1):
         try:
@@ -206,24 +240,12 @@ def _fill(conn, emails, questions, summary, source, total, progress):
             flush()
     flush()
     bar.close()
-    # SQLite sorts faster than Python, and appending in key order is much faster than random inserts.
-    # (OR IGNORE drops a sender who is also a recipient: cheaper than UNION's de-duplication.)
-    conn.execute("INSERT OR IGNORE INTO mailbox SELECT address, email_id FROM ("
-                 "SELECT from_address AS address, id AS email_id FROM emails WHERE from_address != '' "
-                 "UNION ALL SELECT address, email_id FROM recipients) ORDER BY address, email_id")
-    summary.emails = len(seen)
-    if summary.emails == 0:
-        if not summary.skipped:
-            raise DataError(f"No emails in {source}.")
-        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped; "
-                        f"first: {summary.skip_examples[0]}).")
+    return seen
 
-    # A 32 MB term buffer (default 1 MB) writes fewer, larger FTS segments, so less merging.
-    conn.execute("INSERT INTO emails_fts(emails_fts, rank) VALUES ('hashsize', 33554432)")
-    steps = [("full-text index", "INSERT INTO emails_fts(emails_fts) VALUES ('rebuild')"), ("indexes", INDEXES)]
-    for name, sql in tqdm(steps, desc="indexing", unit=" step", disable=not progress):
-        conn.executescript(sql) if ";" in sql else conn.execute(sql)
 
+def _load_questions(conn, questions, seen: set[str], summary) -> None:
+    """Every well-formed question, flagged with whether the agent can reach its gold emails; malformed ones
+    and a second question with the same id are skipped and counted."""
     split_counts: dict[str, int] = {}
     question_ids: set = set()
     for n, raw in enumerate(questions, 1):
@@ -253,17 +275,6 @@ def _fill(conn, emails, questions, summary, source, total, progress):
     if summary.questions_skipped and not split_counts:  # e.g. the emails file given as --questions
         raise DataError(f"No usable questions among {summary.questions_skipped} records (first: "
                         f"{summary.question_skip_examples[0]}); is that the questions file?")
-
-    summary.addresses = conn.execute("SELECT COUNT(DISTINCT address) FROM mailbox").fetchone()[0]
-    summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()
-    meta = {"source": source, "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-            "emails": str(summary.emails), "duplicates": str(summary.duplicates),
-            "skipped": json.dumps(summary.skipped), "schema_version": "2"}
-    conn.executemany("INSERT INTO meta VALUES (?,?)", sorted(meta.items()))
-    conn.execute("COMMIT")
-    conn.execute("ANALYZE")
-
-
 
 
 def add_arguments(p, default_db: str, demo_db: str) -> None:
