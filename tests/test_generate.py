@@ -13,7 +13,7 @@ from datetime import date, timedelta
 import pytest
 
 from conftest import ROOT
-from email_agent.data import generate
+from email_agent.data import generate, question_checks
 from email_agent.data.build import build_database
 from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB
@@ -151,7 +151,7 @@ def test_split_never_shares_an_email_between_train_and_test():
         stored_qs = [{"message_ids": rng.sample(ids[:10], rng.randint(1, 2)), "split": rng.choice(["train", "test"])}
                      for _ in range(3)]
         new = [{"message_ids": rng.sample(ids, rng.randint(1, 3))} for _ in range(20)]
-        placed = generate.assign_splits(new, stored_qs, 0.3, seed)
+        placed = question_checks.assign_splits(new, stored_qs, 0.3, seed)
         everything = [q for q in placed if q["split"]] + stored_qs
         train = {m for q in everything if q["split"] == "train" for m in q["message_ids"]}
         test = {m for q in everything if q["split"] == "test" for m in q["message_ids"]}
@@ -159,7 +159,7 @@ def test_split_never_shares_an_email_between_train_and_test():
                    if a["split"] != b["split"]):
             assert not train & test, seed
     # separate emails: the test share is met
-    placed = generate.assign_splits([{"message_ids": [f"<{i}>"]} for i in range(10)], [], 0.3, 0)
+    placed = question_checks.assign_splits([{"message_ids": [f"<{i}>"]} for i in range(10)], [], 0.3, 0)
     assert sum(q["split"] == "test" for q in placed) == 3
 
 

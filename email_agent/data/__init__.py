@@ -7,6 +7,8 @@ Modules, in the order data flows through them:
              database, built atomically, with its question sets
   demo       the bundled demo inbox (a company's mail and questions made from a seed, offline)
   generate   `generate-questions`: an LLM writes question/answer pairs for an inbox
+  question_checks  which of them may be stored (cited, shown, dated after their emails, no near-duplicate), and
+             the train/test split by groups of emails
   questions  questions read back, split and ordered for training and evaluation
   email_db   `EmailDB`: the database the agent's tools search and read (FTS5, per-inbox, as of a date)
 """
