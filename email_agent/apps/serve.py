@@ -107,22 +107,35 @@ def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: 
     ask_inbox probes it again first, so a model that is down is one clear tool error per request)."""
     # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
     from mcp.server.mcpserver import MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError
-    from pydantic import Field
 
-    # The tools' shared arguments, as the client's model reads them (annotations are evaluated here, at definition:
-    # this module has no `from __future__ import annotations`, so the CLI need not import pydantic to start)
-    InboxArg = Annotated[str | None, Field(description="the email address whose mail (sent or received) to use; may "
-                                                       "be left out when the server allows one inbox only")]
-    AsOfArg = Annotated[str | None, Field(description="YYYY-MM-DD: the day it is asked; mail sent later is hidden "
-                                                      "(default: today)")]
-    shape = contestant.shape
     server = MCPServer("email-search-agent", instructions=(
         "Answers questions about an email inbox. ask_inbox: a trained agent searches the inbox and answers with "
         "the emails it cites. search_inbox and read_email: search and read the inbox yourself."))
+    add_ask_tool(server, contestant, scope, grounded_answers, ready)
+    add_inbox_tools(server, scope, contestant.shape)
+    return server
 
-    def tool_inbox(inbox: str | None, as_of: str | None) -> tools.Inbox:
-        return tools.Inbox(scope.db, scope.inbox(inbox), tool_day(as_of), shape.max_body_chars, shape.search_results)
+
+def tool_arguments():
+    """The tools' shared arguments, as the client's model reads them: (inbox, as_of)."""
+    # here, not at the top: pydantic, for the schemas; annotations are evaluated here, at definition (this module
+    # has no `from __future__ import annotations`), so the CLI need not import pydantic to start
+    from pydantic import Field
+
+    inbox = Annotated[str | None, Field(description="the email address whose mail (sent or received) to use; may "
+                                                    "be left out when the server allows one inbox only")]
+    as_of = Annotated[str | None, Field(description="YYYY-MM-DD: the day it is asked; mail sent later is hidden "
+                                                    "(default: today)")]
+    return inbox, as_of
+
+
+def add_ask_tool(server, contestant: players.Contestant, scope: Scope, grounded_answers: bool, ready: bool) -> None:
+    """`ask_inbox`: one rollout of the served agent, as `ask` plays it."""
+    # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
+    from mcp.server.mcpserver.exceptions import ToolError
+    from pydantic import Field
+
+    InboxArg, AsOfArg = tool_arguments()
 
     @server.tool(description="Ask the trained email agent a question about one inbox. It searches and reads the "
                              "mail itself and returns its answer, the emails it cites (message_id, date, from, "
@@ -143,6 +156,18 @@ def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: 
         except DataError as exc:
             raise ToolError(str(exc)) from None
         return result.to_json()
+
+
+def add_inbox_tools(server, scope: Scope, shape) -> None:
+    """`search_inbox` and `read_email`: the agent's own tools, on the inbox and day a client asks for."""
+    # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
+    from mcp.server.mcpserver.exceptions import ToolError
+    from pydantic import Field
+
+    InboxArg, AsOfArg = tool_arguments()
+
+    def tool_inbox(inbox: str | None, as_of: str | None) -> tools.Inbox:
+        return tools.Inbox(scope.db, scope.inbox(inbox), tool_day(as_of), shape.max_body_chars, shape.search_results)
 
     @server.tool()
     async def search_inbox(
@@ -175,8 +200,6 @@ def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: 
             raise ToolError(f"no email with message_id {message_id!r} in {mailbox.address}'s inbox as of "
                             f"{mailbox.query_date}; use an id from search_inbox.")
         return outcome.result
-
-    return server
 
 
 def tool_day(as_of: str | None) -> str:
