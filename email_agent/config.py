@@ -2,7 +2,7 @@
 presets (`--demo`, and the CPU backend's episode shape and batch), the checks made before anything loads, and
 what is saved beside the run (`run_config.json`) and told at its start.
 
-The training loop itself is in train_email_search_agent.py; this module owns no behaviour of it.
+The training loop itself is email_agent/training/loop.py; this module owns no behaviour of it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from email_agent import backends
-from email_agent.runs import ART_DIR, PROJECT, read_state, run_path
+from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import DataError
 from email_agent.agent.episode import SHAPE, Episode
 
@@ -144,7 +144,9 @@ def wandb_installed() -> bool:
 
 
 def check(cfg: TrainConfig) -> None:
-    """Values no run can use, refused with one sentence before anything loads."""
+    """A run's flags, checked once (by the `train` command, before the run's lock file is made and ART loads):
+    values no run can use, a run that could not learn (`check_warm_start`), names no folder can take; each refused
+    with one sentence."""
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
@@ -188,6 +190,9 @@ def check(cfg: TrainConfig) -> None:
     if cfg.sft_from not in ("", *EXPERT_NAMES) and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
         raise DataError(f"--sft-from {cfg.sft_from}: expected 'expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")
+    check_warm_start(cfg)
+    check_name("--name", cfg.name)
+    check_name("--project", cfg.project)
 
 
 def check_warm_start(cfg: TrainConfig) -> None:

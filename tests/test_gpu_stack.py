@@ -27,7 +27,7 @@ from email_agent.training import training_data
 from email_agent.data import questions as qmod
 from email_agent.backends import art_backends as gpu_checks
 from email_agent.agent.episode import Episode
-from email_agent.training.warm_start import expert_trajectories, warm_start
+from email_agent.training.warm_start import expert_trajectories, fine_tune
 
 import train_email_search_agent as cli
 from art_doubles import GPUService, on_a_gpu_machine
@@ -50,7 +50,7 @@ def unsloth_zoo_without_a_gpu(monkeypatch):
 
 def test_the_warm_start_through_art_s_local_backend_trains_exactly_the_assistant_turns(
         monkeypatch, tmp_path, demo_db, qwen25_model_dir, unsloth_zoo_without_a_gpu):
-    """`train`'s warm start (sft.warm_start) on a GPU run: ART's LocalBackend tokenizes each episode with the
+    """`train`'s warm start (warm_start.fine_tune) on a GPU run: ART's LocalBackend tokenizes each episode with the
     model's template and masks it with unsloth_zoo's train_on_responses_only. What it trains must be each
     assistant turn (a tool call the agent's parser reads) and nothing the tools or the user said."""
     questions = qmod.select_questions(demo_db, "train", seed=0)[:4]
@@ -65,7 +65,7 @@ def test_the_warm_start_through_art_s_local_backend_trains_exactly_the_assistant
         async def go():
             await model.register(backend)
             form = training_data.argument_form(backends.tokenizer("local", backend, cfg.base_model).chat_template)
-            await warm_start(cfg, model, training_data.for_sft(episodes, form))
+            await fine_tune(cfg, model, training_data.for_sft(episodes, form))
             return await model.get_step()
 
         assert asyncio.run(go()) == 1  # one epoch, one checkpoint

@@ -15,7 +15,8 @@ from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_token_logprob import ChatCompletionTokenLogprob
 
 from conftest import ROOT
-from email_agent.training import step_health
+from email_agent import config
+from email_agent.training import loop, step_health
 from email_agent.data import questions as qmod
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
@@ -172,7 +173,7 @@ def run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, scripts, base_model, 
                               groups_per_step=2, rollouts_per_group=2, eval_every=100, base_model=str(base_model),
                               **overrides)
         try:
-            asyncio.run(cli.train(cfg))
+            asyncio.run(loop.train(cfg))
         finally:
             made["backend"] = backends_made[-1] if backends_made else None
             made["requests"] = list(server.requests)
@@ -243,8 +244,8 @@ def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, qwen_style_mod
     assert not (run / "history.jsonl").exists() and not (run / "state.json").exists()  # nothing marked done
     assert not (run / "run_config.json").exists() and (run / "checkpoints").is_dir()  # nor saved, nor deleted
     with pytest.raises(cli.DataError, match="--preflight with --fresh would delete"):
-        asyncio.run(cli.train(cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0,
-                                              preflight=True, fresh=True)))
+        config.check(cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0,
+                                     preflight=True, fresh=True))
 
 
 @pytest.mark.slow

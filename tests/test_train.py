@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from conftest import ROOT
 from email_agent import backends, config, runs
 from email_agent.agent.episode import Episode
-from email_agent.training import warm_start
+from email_agent.training import loop, warm_start
 from email_agent.backends.vllm_server import URL_ENV
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
 from scripted_server import call, expert_script
@@ -153,21 +153,22 @@ def test_interrupt_mid_step_cancels_the_rollouts_in_flight(demo_db_path, tmp_pat
 
 def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     cfg = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="a")
-    runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
+    runs.start(cli.run_dir(cfg), config.saved_config(cfg, "cpu"))
     (cli.run_dir(cfg) / "checkpoints").mkdir()
     changed = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b")
     with pytest.raises(cli.DataError, match="pass --base-model a to resume it [(]--fresh would delete the run"):
-        runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"))
-    runs.start(cli.run_dir(cfg), cli.saved_config(changed, "cpu"), fresh=True)
+        runs.start(cli.run_dir(cfg), config.saved_config(changed, "cpu"))
+    runs.start(cli.run_dir(cfg), config.saved_config(changed, "cpu"), fresh=True)
     # what picks the questions and the episode shape stays; rates and steps may change
     for other in (dict(seed=5), dict(val_size=0), dict(max_turns=9), dict(db="/elsewhere/me.db")):
         with pytest.raises(cli.DataError, match=f"was trained with --{next(iter(other)).replace('_', '-')} "):
-            runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
+            runs.check_resumable(cli.run_dir(cfg), config.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
                                                                      "cpu"))
-    runs.check_resumable(cli.run_dir(cfg), cli.saved_config(cli.TrainConfig(**{**vars(changed), "learning_rate": 1e-4,
+    runs.check_resumable(cli.run_dir(cfg), config.saved_config(cli.TrainConfig(**{**vars(changed),
+                                                                                 "learning_rate": 1e-4,
                                                                                  "max_steps": 9}), "cpu"))
     # the batch size may change after the warm start (the bench does), not once GRPO has taken steps
-    wider = cli.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
+    wider = config.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
     runs.check_resumable(cli.run_dir(cfg), wider)
     (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
     with pytest.raises(cli.DataError, match="was trained with --groups-per-step 12, not --groups-per-step 6; pass "
@@ -184,7 +185,7 @@ def test_a_changed_setting_is_refused_with_the_flag_that_resumes_the_run(demo_db
                                                                          given):
     argv = ["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "r"]
     cfg = cli.config_from_args(cli.make_parser().parse_args([*argv, *saved]))
-    runs.start(cli.run_dir(cfg), cli.saved_config(replace(cfg, base_model=backends.CPU_BASE_MODEL), "cpu"))
+    runs.start(cli.run_dir(cfg), config.saved_config(replace(cfg, base_model=backends.CPU_BASE_MODEL), "cpu"))
     (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')  # GRPO began
     assert cli.main([*argv, *given]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -193,7 +194,7 @@ def test_a_changed_setting_is_refused_with_the_flag_that_resumes_the_run(demo_db
     assert advice and advice[1] == " ".join(saved), error
     # the advice works: with it, the run is resumable, and it was left as it was
     resumed = cli.config_from_args(cli.make_parser().parse_args([*argv, *given, *advice[1].split()]))
-    runs.check_resumable(cli.run_dir(cfg), cli.saved_config(replace(resumed, base_model=backends.CPU_BASE_MODEL),
+    runs.check_resumable(cli.run_dir(cfg), config.saved_config(replace(resumed, base_model=backends.CPU_BASE_MODEL),
                                                              "cpu"))
     assert (cli.run_dir(cfg) / "history.jsonl").read_text().startswith('{"step": 1')
 
@@ -210,12 +211,12 @@ def test_demo_preset_and_explicit_flags(monkeypatch):
 # ---- GPU and remote backends: wiring only (no GPU here) ---------------------------------------------
 
 def train_on_scripts(scripts: dict, monkeypatch, tokenizer=None, **config):
-    """cli.train as on a GPU machine: ART's LocalBackend with its GPU service stubbed (art_doubles), the policy a
+    """loop.train as on a GPU machine: ART's LocalBackend with its GPU service stubbed (art_doubles), the policy a
     scripted server (question -> tool calls). Returns (the backend, the server, W&B runs ART would have started)."""
     # without a tokenizer the server sends no logprobs: the first step's check would stop the run before training
     config.setdefault("train_anyway", tokenizer is None)
     with on_a_gpu_machine(monkeypatch, scripts, tokenizer) as (made, server, wandb_runs):
-        asyncio.run(cli.train(cli.TrainConfig(**config)))
+        asyncio.run(loop.train(cli.TrainConfig(**config)))
     (backend,) = made
     return backend, server, wandb_runs
 
@@ -342,7 +343,7 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
 def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
                                                              "--max-turns", "5"]))
-    runs.start(cli.run_dir(cfg), cli.saved_config(cfg, "cpu"))
+    runs.start(cli.run_dir(cfg), config.saved_config(cfg, "cpu"))
     saved = json.loads((cli.run_dir(cfg) / "run_config.json").read_text())
     assert saved["db"] == str(Path(cli.DEMO_DB).resolve())  # found again from any folder
     assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
@@ -469,15 +470,15 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, capl
     episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], episode))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
-        asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
+        asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
     assert run["step"] == 1 and len(run["trained"]) == 1
-    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run), episodes))
+    asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(run), episodes))
     # Epochs 2 and 3 ran once each, on top of epoch 1's checkpoint: no epoch repeated, none skipped.
     assert run["trained"] == [(0, 6, [1e-3]), (1, 6, [1e-3]), (2, 6, [1e-3])] and run["step"] == 3
     assert "resuming after epoch 1" in caplog.text
     assert [m for _, m in run["log"]] == [{"sft_epoch": 1}, {"sft_epoch": 2}, {"sft_epoch": 3}]  # curve markers
     assert [s for s, _ in run["log"]] == [1, 2, 3]
-    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
+    asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(run), episodes))  # all done: nothing re-runs
     assert len(run["trained"]) == 3
 
 
@@ -490,15 +491,15 @@ def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stop
     episode = Episode(max_turns=4, max_body_chars=600, search_results=3)
     episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], episode))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
-    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(whole), episodes))
+    asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]
     # 2 epochs of 5 batches: one warm-up batch up to the peak, then a straight line down to 0 at the last batch.
     assert len(rates) == 10 and rates[0] == pytest.approx(1e-3) and rates[-1] == 0
     assert all(a > b for a, b in zip(rates[1:], rates[2:]))
     interrupted = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):
-        asyncio.run(warm_start.warm_start(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
-    asyncio.run(warm_start.warm_start(cfg, SFTRecorder(interrupted), episodes))
+        asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(interrupted, die_in_epoch=2), episodes))
+    asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(interrupted), episodes))
     assert interrupted["trained"] == whole["trained"]  # epoch 2 got epoch 2's rates, not the schedule's start
 
 

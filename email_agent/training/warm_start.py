@@ -51,7 +51,7 @@ def abstained(traj: art.Trajectory) -> bool:
                 and not (m["bad_tool_args"] or m["bad_tool_name"] or m["parse_errors"]))
 
 
-async def expert_trajectories(db: EmailDB, questions: list[Question], config: Episode,
+async def expert_trajectories(db: EmailDB, questions: list[Question], episode: Episode,
                               abstain_share: float = 0.25, seed: int = 0, rarest_first: bool = True
                               ) -> list[art.Trajectory]:
     """The expert's episodes on `questions` (train split only), shuffled so that any prefix keeps the mix.
@@ -61,9 +61,9 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ep
     An agent that only ever saw answers learns to invent one when the search fails.
     """
     questions = [q for q in questions if q.split != "test"]
-    policy = ExpertPolicy(questions, db, max_turns=config.max_turns, rarest_first=rarest_first)
-    trajs = [await rollout(policy, q, db, config) for q in questions]
-    logger.info("expert on the %d train questions, in %d turns: %s", len(questions), config.max_turns,
+    policy = ExpertPolicy(questions, db, max_turns=episode.max_turns, rarest_first=rarest_first)
+    trajs = [await rollout(policy, q, db, episode) for q in questions]
+    logger.info("expert on the %d train questions, in %d turns: %s", len(questions), episode.max_turns,
                 Ceiling.of(trajs).describe())
     solved = [t for t in trajs if successful(t)]
     abstentions = [t for t in trajs if abstained(t)]
@@ -74,7 +74,7 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ep
             break
         replay = withheld(q, db) if q.id in solved_ids else None
         if replay is not None:
-            traj = await rollout(policy, replay, db, config)
+            traj = await rollout(policy, replay, db, episode)
             if abstained(traj):
                 traj.metadata["withheld_gold"] = True
                 abstentions.append(traj)
@@ -83,12 +83,12 @@ async def expert_trajectories(db: EmailDB, questions: list[Question], config: Ep
     return mixed
 
 
-def teacher_trajectories(folder: str | Path, db: EmailDB, config: Episode | None = None,
+def teacher_trajectories(folder: str | Path, db: EmailDB, episode: Episode | None = None,
                          held_out: list[Question] = ()) -> list[art.Trajectory]:
     """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl, never of the test
     split nor of the `held_out` questions (those training validates on).
 
-    With `config`, warns when the teacher played another episode shape than the one being trained: its system
+    With `episode`, warns when the teacher played another episode shape than the one being trained: its system
     prompt names another number of turns and its tool replies are longer or shorter than the student's will be.
     """
     path = Path(folder) / "results.jsonl"
@@ -103,8 +103,8 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: Episode | None
     held_out_ids = {q.id for q in held_out}
     trajs, shapes, skipped = [], set(), 0
     for record in records:
-        episode = record.get("episode") or {}
-        shapes.add(tuple(episode.get(key) for key in PROMPT_SHAPE))
+        played = record.get("episode") or {}
+        shapes.add(tuple(played.get(key) for key in PROMPT_SHAPE))
         m = record.get("metrics") or {}
         if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct")
                                                                               and m.get("sources_correct")):
@@ -119,14 +119,15 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, config: Episode | None
     if skipped:
         logger.info("--sft-from %s: %d episode(s) of the questions this run validates on left out of the warm "
                     "start", folder, skipped)
-    if config is not None:
-        wanted = tuple(getattr(config, key) for key in PROMPT_SHAPE)
+    if episode is not None:
+        wanted = tuple(getattr(episode, key) for key in PROMPT_SHAPE)
         other = sorted({shape for shape in shapes if None not in shape and shape != wanted})
         if other:
-            played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, shape)) for shape in other)
+            shapes_played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, shape)) for shape in other)
             logger.warning("--sft-from %s: the teacher played %s, this run trains with %s: evaluate the teacher "
                            "with the same --max-turns, --max-body-chars and --search-results as `train`, or the "
-                           "warm start teaches from prompts and tool replies the agent will not see", folder, played,
+                           "warm start teaches from prompts and tool replies the agent will not see", folder,
+                           shapes_played,
                            ", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, wanted)))
     return trajs
 
@@ -143,15 +144,15 @@ def strip_to_chat(message: dict) -> dict:
     return keep
 
 
-def sft_source(source: str, db: EmailDB, questions: list[Question], config: Episode,
+def sft_source(source: str, db: EmailDB, questions: list[Question], episode: Episode,
                held_out: list[Question] = ()):
     """`--sft-from` -> an awaitable of trajectories: the expert plays `questions`; a teacher's episodes are
     whatever it played, less the `held_out` questions."""
     if source in EXPERT_NAMES:  # demo-expert searches the question's names first, as the demo's warm start always has
-        return expert_trajectories(db, questions, config, rarest_first=source == "expert")
+        return expert_trajectories(db, questions, episode, rarest_first=source == "expert")
     if Path(source).expanduser().is_dir():
         async def load():
-            return teacher_trajectories(Path(source).expanduser(), db, config, held_out)
+            return teacher_trajectories(Path(source).expanduser(), db, episode, held_out)
         return load()
     raise DataError(f"--sft-from {source!r}: expected 'expert' or an evaluation folder with results.jsonl")
 
@@ -167,9 +168,9 @@ async def warm_start_episodes(cfg, db, train_questions, val_questions, episode) 
     return trajectories
 
 
-async def warm_start(cfg, model, trajectories: list, say: Callable[[str], None] = logger.info) -> None:
+async def fine_tune(cfg, model, trajectories: list, say: Callable[[str], None] = logger.info) -> None:
     """Supervised fine-tuning on successful (and abstaining) trajectories: ART's train_sft, one checkpoint per epoch
-(`cfg`: the run's TrainConfig).
+    (`cfg`: the run's TrainConfig).
 
     `say` gets a line per epoch (step, epoch, seconds). Resumable: the step the warm start began at is saved in the
     run state before the first epoch, so after an interruption (even kill -9) the epochs already checkpointed are

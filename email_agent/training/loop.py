@@ -1,0 +1,242 @@
+"""The training loop, read top to bottom: `train(cfg)` is the `train` command once its flags are checked.
+
+    plan = resolve(cfg)          everything that can refuse the run, before it is saved or a model loads (run_plan)
+    the run opened               backend made, run saved, model registered, the policy served
+    --preflight                  the next step up to its update: gathered, judged, its verdict told; then it stops
+    warm start                   SFT on the expert's or a teacher's episodes, when one is due (warm_start)
+    each GRPO step:
+        gather                   groups of rollouts of the step's questions
+        judge                    a judge that is down is waited for (judge_outages)
+        first step only          can GRPO learn from these groups? (step_health)
+        train                    the update, on the tokens as served (training_data.for_grpo, backend.train)
+        log                      model.log, the step line, warnings
+        validate                 every --eval-every steps and at the end; then the checkpoints kept
+
+It owns the order of a run's calls, not what they do: rollouts are `agent.rollout`'s, rewards `agent.rewards`',
+health numbers and the verdict `step_health`'s, the update the backend's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import replace
+
+import art
+
+from email_agent import backends, cli, runs
+from email_agent.agent import rewards
+from email_agent.agent.rollout import Policy, regrade, rollout
+from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines, run_dir, saved_config
+from email_agent.data.questions import Question
+from email_agent.errors import DataError
+from email_agent.training import judge_outages, run_plan, step_health, training_data, warm_start
+from email_agent.training.run_plan import Plan, note
+
+
+async def train(cfg: TrainConfig) -> None:
+    """A training run, or its preflight (`cfg` already refused by `config.check` if no run can use it)."""
+    plan = await run_plan.resolve(cfg)  # everything that can refuse the run, before anything is saved or loads
+    cfg = plan.config
+    backend = backends.make_backend(plan.backend, cfg)  # fails here, before anything is saved, if it cannot run
+    new_run = not run_dir(cfg).exists()
+    runs.start(run_dir(cfg), saved_config(cfg, plan.backend), fresh=cfg.fresh, preflight=cfg.preflight)
+    model = trainable_model(plan)
+    print("\n".join(opening_summary(plan)), file=sys.stderr)
+    try:
+        await model.register(backend)
+        policy = Policy.for_model(model, temperature=cfg.temperature, max_concurrency=cfg.concurrency)
+        tokenizer = backends.tokenizer(plan.backend, backend, cfg.base_model)  # None: a remote backend renders
+        arguments = training_data.argument_form(tokenizer.chat_template if tokenizer else None)
+        state = await runs.check_state(run_dir(cfg), plan.state, model)  # may reopen a warm start (deleted checkpoints)
+        warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
+        # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
+        # (a warm start still to finish, even half done, comes before any RL step).
+        sft_steps = state.get("sft_steps", 0)
+        rl_step = 0 if warm_start_pending else await model.get_step() - sft_steps
+        batches = art.utils.iterate_dataset(plan.rl_questions, groups_per_step=cfg.groups_per_step,
+                                            num_epochs=cfg.num_epochs, initial_step=rl_step, use_tqdm=False)
+        if cfg.preflight:  # the next step's groups from the policy as it is now: nothing trained, logged or saved
+            return await preflight(plan, policy, next(iter(batches), None), sft_steps, warm_start_pending)
+        if warm_start_pending:
+            sft_steps = await run_warm_start(plan, model, policy, arguments)
+        if not cfg.sft_only:
+            await grpo(plan, model, backend, policy, batches, sft_steps, tokenizer, arguments)
+    finally:
+        await backend.close()
+        if cfg.preflight and new_run:  # registering wrote a first checkpoint; a preflight leaves no run behind
+            shutil.rmtree(run_dir(cfg), ignore_errors=True)
+
+
+async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, batches, sft_steps: int, tokenizer,
+               arguments: training_data.ArgumentForm) -> None:
+    """GRPO's steps, each gathered, judged, trained on and logged, validated as due; then the checkpoints kept."""
+    cfg = plan.config
+    if plan.backend == "cpu":
+        await say_what_a_cpu_step_costs(plan, policy, backend.max_batch_size)
+    warnings = step_health.Warnings(cfg.temperature)
+    for batch in batches:
+        if cfg.max_steps and batch.step >= cfg.max_steps:
+            break
+        step = batch.step + sft_steps
+        if batch.step % cfg.eval_every == 0 and plan.val_questions and not (batch.step == 0 and sft_steps):
+            print(await validate(plan, model, policy, step))
+        started = time.perf_counter()
+        groups, health = await gather_and_judge(plan, policy, batch.items, step)
+        if batch.step == 0:  # a fresh run says at once whether it can learn
+            verdict = say_whether_it_can_learn(plan, health, warm_start_pending=False)
+            if verdict.cannot_learn and not cfg.train_anyway:  # not hours of steps that learn nothing
+                raise DataError(f"{verdict.headline.rstrip('.')}; stopped before its first update, with the run "
+                                f"kept (rerun with the fix to go on from here, or add --train-anyway to train "
+                                f"regardless).")
+            print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
+        # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled, of the
+        # groups whose rewards differ by more than judge noise ----
+        trained = training_data.for_grpo(groups, arguments, cfg.min_reward_std, tokenizer)
+        result = await backend.train(model, trained, learning_rate=cfg.learning_rate,
+                                     advantage_balance=cfg.advantage_balance, scale_rewards=cfg.scale_rewards)
+        learned = step_health.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
+        await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
+        policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
+        print(step_health.step_line(result.step, groups, result.metrics, learned, time.perf_counter() - started),
+              flush=True)
+        for warning in warnings.after_step(health, learned):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    step = await model.get_step()
+    if plan.val_questions:
+        print(await validate(plan, model, policy, step))
+    if cfg.keep_checkpoints == "best":
+        await backends.keep_latest_and_best(model, backend, step, also=(sft_steps,) if sft_steps else ())
+    print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
+          f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
+
+
+# ---- the run opened ------------------------------------------------------------------------------
+
+def trainable_model(plan: Plan) -> art.TrainableModel:
+    cfg = plan.config
+    return art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model,
+                              base_path=cfg.art_dir, report_metrics=["wandb"] if cfg.wandb else [],
+                              _internal_config=backends.internal_config(cfg) if plan.backend == "local" else None)
+
+
+def opening_summary(plan: Plan) -> list[str]:
+    """What the run is about to do, for a person, at its start."""
+    episode = plan.episode
+    return opening_lines(plan.config, plan.backend, len(plan.train_questions),
+                         len(plan.rl_questions) - len(plan.train_questions), len(plan.val_questions), plan.rl_steps,
+                         rewards.describe(episode.reward, episode.judge, plan.ruler_model,
+                                          plan.ruler_params.get("api_base"), episode.hallucination_penalty),
+                         warm_start_done=bool(plan.state.get("sft_done")))
+
+
+# ---- a step up to its update: gather, judge, can it learn ---------------------------------------
+
+async def gather_and_judge(plan: Plan, policy: Policy, questions: list[Question], step: int
+                           ) -> tuple[list[art.TrajectoryGroup], step_health.Health]:
+    """A step up to its update (all of it that --preflight takes): its groups gathered and judged, and what they
+    offer GRPO."""
+    started = time.perf_counter()
+    groups = await gather(plan, policy, questions, step)
+    groups = await judge(plan, groups, step)
+    return groups, step_health.measure(groups, time.perf_counter() - started, plan.config.min_reward_std)
+
+
+async def gather(plan: Plan, policy: Policy, questions: list[Question], step: int) -> list[art.TrajectoryGroup]:
+    """A group of `rollouts_per_group` rollouts per question (RULER scores each group as it completes)."""
+    return await art.gather_trajectory_groups(
+        (art.TrajectoryGroup(plan.rollout(policy, q, plan.db, plan.episode)
+                             for _ in range(plan.config.rollouts_per_group)) for q in questions),
+        pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4,
+        after_each=(lambda group: ruler(plan, group)) if plan.episode.reward == "ruler" else None)
+
+
+async def judge(plan: Plan, groups: list[art.TrajectoryGroup], step: int) -> list[art.TrajectoryGroup]:
+    """The groups the judge graded: one that is down is waited for while the rollouts are kept, one that stays
+    down stops the run at this step (judge_outages)."""
+    by_id = {q.id: q for q in plan.rl_questions}
+
+    async def rejudge(group):  # a group the judge failed on, judged again
+        return await (ruler(plan, group) if plan.episode.reward == "ruler" else regrade(group, by_id, plan.episode))
+
+    return await judge_outages.settle(groups, rejudge, reward_mode=plan.episode.reward,
+                                      patience=plan.config.judge_patience,
+                                      step=step + 1,  # the number of the checkpoint it would make
+                                      notify=note)
+
+
+def ruler(plan: Plan, group: art.TrajectoryGroup):
+    return rewards.ruler_group(group, plan.ruler_model, plan.ruler_params)
+
+
+def say_whether_it_can_learn(plan: Plan, health: step_health.Health, warm_start_pending: bool
+                             ) -> step_health.Diagnosis:
+    """Print what a step's groups offer GRPO and the verdict; returns the verdict."""
+    cfg = plan.config
+    verdict = step_health.diagnose(health, reward_mode=plan.episode.reward, sft_from=cfg.sft_from,
+                                   warm_start_pending=warm_start_pending)
+    space = runs.free_space_warning(run_dir(cfg))
+    print("\n".join(step_health.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)
+                    + ([f"  warning: {space}"] if space else [])), flush=True)
+    return verdict
+
+
+async def preflight(plan: Plan, policy: Policy, batch, sft_steps: int, warm_start_pending: bool) -> None:
+    """--preflight: the next step up to its update, as `grpo` takes it (gathered, judged, the verdict printed);
+    DataError if GRPO cannot learn from it."""
+    if batch is None:
+        raise DataError(f"--preflight: run {plan.config.name!r} has no steps left to check (its epochs are done).")
+    _, health = await gather_and_judge(plan, policy, batch.items, batch.step + sft_steps)
+    verdict = say_whether_it_can_learn(plan, health, warm_start_pending)
+    if not verdict.ok:
+        raise DataError(verdict.headline)
+    print(f"preflight: {verdict.headline}")
+
+
+# ---- validation, the warm start, a CPU step's cost ----------------------------------------------
+
+async def validate(plan: Plan, model: art.TrainableModel, policy: Policy, step: int) -> str:
+    """Greedy episodes of the validation questions, logged as val/*; returns the line to print."""
+    greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
+    questions = plan.val_questions
+    # One-episode groups because only gather_trajectory_groups takes max_metrics: gather_trajectories' bar
+    # shows every metric (~20), a line that wraps and floods the terminal at each refresh.
+    groups = await art.gather_trajectory_groups((art.TrajectoryGroup([rollout(greedy, q, plan.db, plan.episode)])
+                                                 for q in questions),
+                                                pbar_desc="validate", max_exceptions=len(questions), max_metrics=4)
+    trajs = [t for g in groups for t in g.trajectories]
+    extra = {"valid_tool_call_rate": rewards.valid_tool_call_rate(t.metrics for t in trajs) or 0.0}
+    await model.log(trajs, split="val", metrics=extra, step=step)
+    n = max(len(trajs), 1)
+    right = sum(t.metrics["answer_correct"] for t in trajs) / n
+    hallucinated = sum(t.metrics["hallucinated"] for t in trajs) / n
+    return (f"val  {step:>4}  reward {sum(t.reward for t in trajs) / n:+.3f}  accuracy {right:.0%}  hallucination "
+            f"{hallucinated:.0%}  valid calls {extra['valid_tool_call_rate']:.0%}  ({len(trajs)} questions, greedy)")
+
+
+async def run_warm_start(plan: Plan, model: art.TrainableModel, policy: Policy,
+                         arguments: training_data.ArgumentForm) -> int:
+    """The run's warm start (SFT on the expert's or a teacher's episodes), marked done in its state, then a
+    validation; returns its last step."""
+    cfg = plan.config
+    episodes = plan.sft_episodes or await warm_start.warm_start_episodes(cfg, plan.db, plan.train_questions,
+                                                                         plan.val_questions, plan.episode)
+    await warm_start.fine_tune(cfg, model, training_data.for_sft(episodes, arguments), say=cli.say)
+    state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
+    policy.model = model.get_inference_name()
+    if plan.val_questions:
+        print(await validate(plan, model, policy, await model.get_step()))
+    return state["sft_steps"]
+
+
+async def say_what_a_cpu_step_costs(plan: Plan, policy: Policy, max_batch_size: int) -> None:
+    """GPU-scale steps on a CPU: one rollout timed, and what a step of them will cost, said before the first."""
+    cfg = plan.config
+    rollouts = cfg.groups_per_step * cfg.rollouts_per_group
+    preset_rollouts = DEMO_PRESET["groups_per_step"] * DEMO_PRESET["rollouts_per_group"]
+    if rollouts > preset_rollouts:
+        started = time.perf_counter()
+        await plan.rollout(policy, plan.rl_questions[0], plan.db, plan.episode)
+        print(step_health.cpu_step_note(time.perf_counter() - started, rollouts, min(cfg.concurrency, max_batch_size),
+                                        preset_rollouts), file=sys.stderr, flush=True)
