@@ -25,13 +25,13 @@ from tqdm import tqdm
 
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
 from email_agent import cli, runs
-from email_agent.evaluation import players, report, scores
+from email_agent.evaluation import players, records, report, scores, serving
 from email_agent.agent import rewards
 from email_agent.runs import ART_DIR, PROJECT
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB
-from email_agent.agent.episode import Episode
+from email_agent.agent.episode import MEANINGS, SHAPE, Episode
 from email_agent.data.questions import Question, id_sort_key, select_questions
 
 DEFAULT_DB, DEMO_DB = "data/enron_emails.db", "data/demo.db"
@@ -42,24 +42,57 @@ async def evaluate(args) -> int:
     # email_agent.agent.rollout.rollout, looked up at each call
     from email_agent.agent.rollout import rollout
 
-    scoring = players.scoring_config(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
-                                        args.grounded_answers)
+    scoring = records.scoring_episode(args.reward, args.judge_model, args.judge_base_url, args.art_dir,
+                                      args.grounded_answers)
     out = Path(args.output or f"eval/{time.strftime('%Y%m%d-%H%M%S')}")
     report.check_output(out)
-
-    def done(records: list[dict], histories: dict, labels: list[str] = ()) -> int:
-        code = finish(out, records, histories, labels)
-        args.written = out  # a Ctrl-C while the servers close says where the report is, not "nothing written"
-        return code
-
     if scoring.judge:
         await scoring.judge.probe()
     if args.rejudge:
-        records = await players.rejudge_folder(Path(args.rejudge), scoring, args.grounded_answers)
+        results = await records.rejudge_folder(Path(args.rejudge), scoring, args.grounded_answers)
         report.keep_previous(out)
-        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-        return done(records, {})
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+        return done(args, out, results, {})
 
+    db, questions = open_questions(args)
+    if args.wandb:
+        # here, not at the top: tests patch tracing.traced_rollout, so it is looked up at each call
+        from email_agent.tracing import traced_rollout
+
+        rollout = traced_rollout(args.project, rollout, scoring.judge)
+    options = players.Options(art_dir=args.art_dir, base_model=args.base_model, base_url=args.base_url,
+                              api_key=args.api_key, temperature=args.temperature, timeout=args.timeout,
+                              concurrency=args.concurrency, seed=args.seed,
+                              cpu_lora_rank=players.cpu_lora_rank(args.model, args.art_dir),
+                              shape={name: getattr(args, name) for name in SHAPE})
+    results: list[dict] = []
+    async with contextlib.AsyncExitStack() as stack:
+        contestants = await open_contestants(args.model, serving.Servers(options, stack))
+        histories = {c.label: scores.load_history(c.history, c.step) for c in contestants
+                     if c.history and c.history.exists()}
+        for c in contestants:
+            print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
+        print(f"evaluating {len(contestants)} model(s) on {len(questions)} {args.split} questions -> {out}",
+              file=sys.stderr)
+        labels = [c.label for c in contestants]
+        try:
+            await play(contestants, questions, db, scoring, rollout, out, results, args.concurrency)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            if not results:
+                print("\ninterrupted before any rollout finished: nothing written", file=sys.stderr)
+                return 130
+            print(f"\ninterrupted: writing the {len(results)} finished rollouts", file=sys.stderr)
+            done(args, out, results, histories, labels)
+            return 130
+        except Exception:  # a bug, not a model's failure (those are recorded): keep what finished, then raise
+            if results:
+                done(args, out, results, histories, labels)
+            raise
+        return done(args, out, results, histories, labels)  # before the servers close
+
+
+def open_questions(args) -> tuple[EmailDB, list[Question]]:
+    """The database and the questions to play, or one sentence on why there are none."""
     if args.demo and not Path(args.db).exists():
         raise DataError(f"No demo database at {args.db}; build it with "
                         f"`python train_email_search_agent.py build-db --demo`.")
@@ -71,56 +104,49 @@ async def evaluate(args) -> int:
             raise DataError(f"--split {args.split!r}: {args.db} has the splits {', '.join(splits)}")
         raise DataError(f"No answerable {args.split!r} questions in {args.db}; write some with "
                         f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
-    if args.wandb:
-        # here, not at the top: tests patch tracing.traced_rollout, so it is looked up at each call
-        from email_agent.tracing import traced_rollout
+    return db, questions
 
-        rollout = traced_rollout(args.project, rollout, scoring.judge)
-    options = players.Options(art_dir=args.art_dir, base_model=args.base_model, base_url=args.base_url,
-                                 api_key=args.api_key, temperature=args.temperature, timeout=args.timeout,
-                                 concurrency=args.concurrency, seed=args.seed,
-                                 cpu_lora_rank=players.cpu_lora_rank(args.model, args.art_dir),
-                                 shape=dict(max_turns=args.max_turns, max_tokens=args.max_tokens,
-                                            max_body_chars=args.max_body_chars, search_results=args.search_results))
-    records: list[dict] = []
-    async with contextlib.AsyncExitStack() as stack:
-        # Serve every model and probe it before the first rollout: a dead endpoint fails in seconds, not after
-        # hours of the other models' rollouts.
-        players.check_specs(args.model, args.art_dir)
-        shared = players.shared_run_shape(args.model, args.art_dir)
-        contestants = [await players.open_contestant(spec, options, stack, shared) for spec in args.model]
-        labels = [c.label for c in contestants]
-        if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step
-            twice = next(label for label in labels if labels.count(label) > 1)
-            raise DataError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
-        for contestant in contestants:
-            await players.probe(contestant)
-        histories = {c.label: scores.load_history(c.history, c.step) for c in contestants
-                     if c.history and c.history.exists()}
-        for c in contestants:
-            print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
-        print(f"evaluating {len(contestants)} model(s) on {len(questions)} {args.split} questions -> {out}",
-              file=sys.stderr)
-        correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
-        bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
 
-        schedule = players.Schedule(contestants, len(questions), args.concurrency)
+async def open_contestants(specs: list[str], servers: serving.Servers) -> list[players.Contestant]:
+    """Every model served and probed before the first rollout: a dead endpoint fails in seconds, not after hours of
+    the other models' rollouts."""
+    art_dir = servers.options.art_dir
+    players.check_specs(specs, art_dir)
+    shared = players.shared_run_shape(specs, art_dir)
+    contestants = [await players.open_contestant(spec, servers, shared) for spec in specs]
+    labels = [c.label for c in contestants]
+    if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step
+        twice = next(label for label in labels if labels.count(label) > 1)
+        raise DataError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
+    for contestant in contestants:
+        await players.probe(contestant)
+    return contestants
 
-        async def one(contestant: players.Contestant, question: Question):
-            config = contestant.episode(scoring)
-            async with schedule.turn(contestant.label):
-                traj = await rollout(contestant.policy, question, db, config)
-            return players.make_record(contestant, question, traj, config)
 
-        tasks = [asyncio.ensure_future(one(c, q)) for c in contestants for q in questions]
-        results_file = None  # opened at the first finished rollout: an evaluation stopped before it writes nothing
+async def play(contestants: list[players.Contestant], questions: list[Question], db: EmailDB, scoring: Episode,
+               rollout, out: Path, results: list[dict], concurrency: int) -> None:
+    """Every contestant on every question, as `players.Schedule` lets them: each finished rollout's record is
+    appended to `results` and written to out/results.jsonl at once (an interrupted evaluation keeps them)."""
+    schedule = players.Schedule(contestants, len(questions), concurrency)
+
+    async def one(contestant: players.Contestant, question: Question) -> dict:
+        episode = contestant.episode(scoring)
+        async with schedule.turn(contestant.label):
+            traj = await rollout(contestant.policy, question, db, episode)
+        return records.make_record(contestant, question, traj, episode)
+
+    correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
+    bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
+    tasks = [asyncio.ensure_future(one(c, q)) for c in contestants for q in questions]
+    results_file = None  # opened at the first finished rollout: an evaluation stopped before it writes nothing
+    with contextlib.ExitStack() as files:
         try:
             for finished in asyncio.as_completed(tasks):
                 record = await finished
                 if results_file is None:
                     report.keep_previous(out)
-                    results_file = stack.enter_context(open(out / "results.jsonl", "w"))
-                records.append(record)
+                    results_file = files.enter_context(open(out / "results.jsonl", "w"))
+                results.append(record)
                 results_file.write(json.dumps(record) + "\n")
                 results_file.flush()  # an interrupted evaluation keeps every finished rollout
                 tally = correct[record["model"]]
@@ -129,24 +155,18 @@ async def evaluate(args) -> int:
                 bar.set_postfix_str(" ".join(f"{k}={v[0] / max(v[1], 1):.0%}" for k, v in correct.items()),
                                     refresh=False)
                 bar.update()
-        except (KeyboardInterrupt, asyncio.CancelledError):
+        except BaseException:  # interrupted, or a bug: no rollout plays on
             for task in tasks:
                 task.cancel()
-            if not records:
-                print("\ninterrupted before any rollout finished: nothing written", file=sys.stderr)
-                return 130
-            print(f"\ninterrupted: writing the {len(records)} finished rollouts", file=sys.stderr)
-            done(records, histories, [c.label for c in contestants])
-            return 130
-        except Exception:  # a bug, not a model's failure (those are recorded): keep what finished, then raise
-            for task in tasks:
-                task.cancel()
-            if records:
-                done(records, histories, [c.label for c in contestants])
             raise
         finally:
             bar.close()
-        return done(records, histories, [c.label for c in contestants])  # before the servers close
+
+
+def done(args, out: Path, results: list[dict], histories: dict, labels: list[str] = ()) -> int:
+    code = finish(out, results, histories, labels)
+    args.written = out  # a Ctrl-C while the servers close says where the report is, not "nothing written"
+    return code
 
 
 def finish(out: Path, records: list[dict], histories: dict, labels: list[str] = ()) -> int:
@@ -181,15 +201,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="question order and sampling seed (default 0)")
     p.add_argument("--concurrency", type=int, default=8, help="simultaneous rollouts per model, and the CPU "
                                                               "server's decoding batch (default 8)")
-    shape = Episode()
-    for flag, default, meaning in (("--max-turns", shape.max_turns, "agent turns per question"),
-                                   ("--max-tokens", shape.max_tokens, "tokens per model reply"),
-                                   ("--max-body-chars", shape.max_body_chars, "read_email cuts longer bodies"),
-                                   ("--search-results", shape.search_results, "results per search when the model "
-                                                                              "does not ask for a number")):
-        p.add_argument(flag, type=int, help=f"{meaning} (default: what each trained run was trained with; for "
-                                            f"base and prompted models the runs' shape if they share one, else "
-                                            f"{default})")
+    for name, default in Episode().shape().items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int,
+                       help=f"{MEANINGS[name]} (default: what each trained run was trained with; for base and "
+                            f"prompted models the runs' shape if they share one, else {default})")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0; omitted for "
                                                                   "OpenAI reasoning models)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per model request (default 300)")

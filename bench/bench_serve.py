@@ -41,6 +41,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from email_agent.apps import ask
 from email_agent.evaluation import players
+from email_agent.evaluation.serving import Servers
 from email_agent import runs
 from email_agent.errors import DataError
 from email_agent.data.email_db import EmailDB
@@ -63,7 +64,7 @@ async def latency(args, spec, base_url, questions, db) -> None:
     params = StdioServerParameters(command=sys.executable, args=serve_argv(args, spec, base_url)[1:], cwd=str(ROOT))
     inproc, mcp, same = [], [], 0
     async with contextlib.AsyncExitStack() as stack:
-        contestant = await players.open_contestant(spec, options, stack)
+        contestant = await players.open_contestant(spec, Servers(options, stack))
         await players.probe(contestant)
         read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(ClientSession(read, write))

@@ -170,7 +170,7 @@ def session_vllm(request, tmp_path_factory):
     from email_agent.backends import CPU_BASE_MODEL
     from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, served_model_dir
     from email_agent.backends.vllm_server import URL_ENV, VLLM_PYTHON, VLLMServer
-    from email_agent.evaluation.players import cpu_served_name
+    from email_agent.backends import cpu_served_name
 
     wanted = any(item.get_closest_marker("slow") for item in request.session.items)
     if not wanted or URL_ENV in os.environ or not VLLM_PYTHON.is_file():

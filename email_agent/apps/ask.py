@@ -15,6 +15,7 @@ from datetime import date
 from typing import Callable
 
 from email_agent.evaluation import players
+from email_agent.evaluation.serving import Servers
 from email_agent.agent.episode import Episode
 from email_agent import runs
 from email_agent.runs import ART_DIR
@@ -73,7 +74,7 @@ async def ask(spec: str, question: Question, db: EmailDB, options: players.Optio
     it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
     see `rollout.withhold_ungrounded`."""
     async with contextlib.AsyncExitStack() as stack:
-        contestant = await players.open_contestant(spec, options, stack)
+        contestant = await players.open_contestant(spec, Servers(options, stack))
         await players.probe(contestant)
         if on_start:
             on_start(contestant.label, contestant.shape.describe())

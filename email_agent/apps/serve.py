@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 from email_agent.apps import ask
 from email_agent.evaluation import players
+from email_agent.evaluation.serving import Servers
 from email_agent.agent import tools
 from email_agent.runs import ART_DIR
 from email_agent.errors import DataError
@@ -259,7 +260,7 @@ async def serve(settings: Settings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         listening = None if settings.http is None else stack.enter_context(listen(*parse_http(settings.http)))
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the stdio transport's: nothing else may write there
-            contestant = await players.open_contestant(spec, settings.options, stack)
+            contestant = await players.open_contestant(spec, Servers(settings.options, stack))
         ready = True
         try:
             await players.probe(contestant)

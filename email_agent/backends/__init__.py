@@ -6,16 +6,19 @@
   serverless  ART's ServerlessBackend (W&B Training; needs WANDB_API_KEY)
   tinker      ART's TinkerBackend (needs TINKER_API_KEY and openpipe-art[tinker])
 
-This module only picks and builds one, and builds the model's ART settings; it hides nothing else.
+This module only picks and builds one, and builds the model's ART settings from `BackendSettings` (what of a run
+they read); it hides nothing else.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 from email_agent.errors import DataError
-from email_agent.runs import run_path
+from email_agent.runs import ART_DIR, run_path
 from email_agent.backends import art_backends as gpu_checks
 from email_agent.backends.vllm_server import lora_engine_args
 
@@ -27,6 +30,35 @@ CPU_DTYPES = ("float32", "bfloat16")  # what EMAIL_AGENT_CPU_DTYPE may name: the
 
 class BackendError(DataError):
     """A backend that cannot start here, worded for the user (one sentence, no traceback)."""
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    """What the backends, their readiness check and ART's model settings read of a run: built once, from the
+    run's TrainConfig when it trains, from its run_config.json when it is served again (`of`). The defaults are
+    TrainConfig's: what a run saved before a setting existed was trained with."""
+
+    art_dir: str = ART_DIR
+    base_model: str = ""
+    seed: int = 0  # LoRA init and the CPU path's sampling
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    gpu_memory_utilization: float = 0.8  # vLLM's share of the GPU (local backend)
+    max_seq_length: int = 8192  # trainer and vLLM context (local backend)
+    enforce_eager: bool = False  # skip CUDA-graph capture (local backend)
+    max_num_seqs: int = 64  # concurrent sequences in vLLM (local backend)
+    cpu_train_threads: int = 0  # torch threads for CPU training (0: all cores)
+
+    @classmethod
+    def of(cls, config, **given) -> BackendSettings:
+        """From a TrainConfig or a run_config.json (a dict), with `given` replacing what they hold."""
+        values = {**(config if isinstance(config, dict) else vars(config)), **given}
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+
+
+def cpu_served_name(base_model: str) -> str:
+    """What the CPU path's vLLM calls an untrained base model (the CPU backend's server, evaluation's `base`)."""
+    return f"base:{Path(base_model).name}"
 
 
 def cuda_available() -> bool:
@@ -57,19 +89,20 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def default_base_model(backend: str, cfg, gpu: "gpu_checks.GPU | None" = None) -> str:
+def default_base_model(backend: str, settings: BackendSettings, gpu: "gpu_checks.GPU | None" = None) -> str:
     """A model the backend supports: SmolLM2 on CPU; on a GPU the largest Qwen2.5-Instruct that fits the card
     found at the run's memory settings (a 24 GB card when there is none); the remote backends' own models."""
     if backend == "cpu":
         return CPU_BASE_MODEL
     if backend == "local":
         card = gpu.total_gib if gpu else gpu_checks.CARD_GIB[gpu_checks.NO_GPU_CARD_GB]
-        return gpu_checks.default_local_model(card, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                              max_seq_length=cfg.max_seq_length, enforce_eager=cfg.enforce_eager)
+        return gpu_checks.default_local_model(card, gpu_memory_utilization=settings.gpu_memory_utilization,
+                                              max_seq_length=settings.max_seq_length,
+                                              enforce_eager=settings.enforce_eager)
     return gpu_checks.DEFAULT_MODELS[backend]
 
 
-def internal_config(cfg):
+def internal_config(settings: BackendSettings):
     """ART's model settings for the local GPU backend (LocalBackend reads them from the model).
 
     vLLM is started with a --max-lora-rank that fits the LoRA (its default, 16, refuses larger adapters), as the
@@ -80,13 +113,14 @@ def internal_config(cfg):
     # here, not at the top: ART imports torch and transformers (seconds), and this module loads for --help
     import art
 
+    s = settings
     return art.dev.InternalModelConfig(
-        init_args=art.dev.InitArgs(max_seq_length=cfg.max_seq_length),
-        engine_args=art.dev.EngineArgs(gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                       enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
-                                       max_model_len=cfg.max_seq_length,
-                                       **lora_engine_args(cfg.lora_rank, max_loras=LOCAL_MAX_LORAS)),
-        peft_args=art.dev.PeftArgs(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha),
+        init_args=art.dev.InitArgs(max_seq_length=s.max_seq_length),
+        engine_args=art.dev.EngineArgs(gpu_memory_utilization=s.gpu_memory_utilization,
+                                       enforce_eager=s.enforce_eager, max_num_seqs=s.max_num_seqs,
+                                       max_model_len=s.max_seq_length,
+                                       **lora_engine_args(s.lora_rank, max_loras=LOCAL_MAX_LORAS)),
+        peft_args=art.dev.PeftArgs(r=s.lora_rank, lora_alpha=s.lora_alpha),
         chat_template_tool_schema_format="vllm_openai",
     )
 
@@ -114,16 +148,17 @@ def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
     return True
 
 
-def make_backend(name: str, cfg):
-    """Build the chosen backend; `cfg` is the training config (art_dir, seed, LoRA and memory settings)."""
+def make_backend(name: str, settings: BackendSettings):
+    """Build the chosen backend where `settings.art_dir` keeps its runs."""
     if name == "cpu":
         # here, not at the top: the CPU backend imports torch, transformers, peft and ART (seconds)
         from email_agent.backends.cpu import CPUBackend
         from email_agent.backends.cpu.model import check_base_model
 
-        check_base_model(cfg.base_model)
-        return CPUBackend(path=cfg.art_dir, seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                          train_threads=cfg.cpu_train_threads or os.cpu_count() or 1)
+        check_base_model(settings.base_model)
+        s = settings
+        return CPUBackend(path=s.art_dir, seed=s.seed, lora_rank=s.lora_rank, lora_alpha=s.lora_alpha,
+                          train_threads=s.cpu_train_threads or os.cpu_count() or 1)
     if name == "local":
         if not cuda_available():
             raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")
@@ -135,7 +170,7 @@ def make_backend(name: str, cfg):
                                f"({exc})") from exc
         gpu_checks.allow_art_without_megatron()
         gpu_checks.put_venv_uv_on_path()
-        return LocalBackend(path=cfg.art_dir)
+        return LocalBackend(path=settings.art_dir)
     if name == "serverless":
         if not os.environ.get("WANDB_API_KEY"):
             raise BackendError("--backend serverless trains on W&B Training: set WANDB_API_KEY first.")
@@ -154,7 +189,7 @@ def make_backend(name: str, cfg):
                                f"'openpipe-art[tinker]==0.5.18' ({exc})") from exc
         gpu_checks.allow_art_without_megatron()
         # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
-        return TinkerBackend(path=cfg.art_dir)
+        return TinkerBackend(path=settings.art_dir)
     raise BackendError(f"unknown backend {name!r}")
 
 

@@ -1,44 +1,29 @@
-"""Evaluation: who plays, served the way it was trained; checked before it plays; what one answer records.
+"""Evaluation: who plays, served the way it was trained, and checked before it plays.
 
 Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
-`Contestant` with a ready policy (a run on its own backend: CPU on one vLLM server per base model, ART's LocalBackend
-/ vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted model behind an OpenAI-compatible
-endpoint); `probe`, one cheap request that fails fast on an unreachable server, a refused key or an unknown
-model; the result record of one question x model (`make_record`, read by `report` and `sft`) and
-re-judging it. `test_email_search_agent.py` and the `ask` command are thin layers over this.
-It does not render reports (see `report`) and plays episodes only through `rollout`.
+`Contestant` with a ready policy (a run on its own backend, served by `serving.Servers`: CPU on one vLLM server
+per base model, ART's LocalBackend / vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted
+model behind an OpenAI-compatible endpoint); the flags and --model values checked before anything is served;
+`Schedule`, who plays when; `probe`, one cheap request that fails fast on an unreachable server, a refused key or
+an unknown model. `test_email_search_agent.py`, `ask` and `serve` are thin layers over this. What one answer
+records is `records`'; it does not render reports (see `report`) and plays episodes only through `rollout`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
 import math
 import os
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
-import httpx
-from tqdm import tqdm
-
-from email_agent import backends
-from email_agent.agent import rewards
-from email_agent.agent.rewards import Rubric
-from email_agent.runs import ART_DIR
+from email_agent.agent.episode import SHAPE, Episode
 from email_agent.backends import CPU_BASE_MODEL
-from email_agent.backends.vllm_server import VLLMServer
 from email_agent.errors import DataError
-from email_agent.agent.episode import Episode
-from email_agent.data.questions import Question
-from email_agent.evaluation.scores import read_results
+from email_agent.evaluation.serving import Servers
 from email_agent.redact import redact
-from email_agent.runs import Run, find_run, is_step
-
-log = logging.getLogger(__name__)
+from email_agent.runs import ART_DIR, find_run, is_step
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,12 +75,12 @@ def check_flags(args) -> None:
                                             ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo),
                                             ("--single-source", args.single_source),
                                             *((f"--{f.replace('_', '-')}", getattr(args, f) is not None)
-                                              for f in ("max_turns", "max_tokens", "max_body_chars", "search_results")))
+                                              for f in SHAPE))
                    if given]
         if ignored:
             raise DataError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
                             f"{', '.join(ignored)} would change nothing")
-    for flag in ("limit", "concurrency", "max_turns", "max_tokens", "max_body_chars", "search_results"):
+    for flag in ("limit", "concurrency", *SHAPE):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
@@ -176,9 +161,9 @@ class Schedule:
                     self._go[self._waiting.pop(0)].set()
 
 
-async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncExitStack,
-                          default_shape: Episode | None = None) -> Contestant:
-    """A --model value -> a Contestant (servers it starts are closed by `stack`).
+async def open_contestant(spec: str, servers: Servers, default_shape: Episode | None = None) -> Contestant:
+    """A --model value -> a Contestant, served by `servers` (with the evaluation's `Options`) if it is trained or
+    `base`.
 
     A run plays the episode shape it was trained with; `base` and prompted models play `default_shape`
     (else the defaults); flags in `options.shape` override both.
@@ -188,6 +173,7 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
 
     from email_agent.agent.rollout import Policy
 
+    options = servers.options
     check_specs([spec], options.art_dir)
     name, step = split_spec(spec)
     common = dict(max_concurrency=options.concurrency, temperature=options.temperature)
@@ -198,21 +184,20 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
             number, ckpt = run.checkpoint(step)
             label = f"{run.name}@{number}"
             try:
-                client, _ = await serve_on_cpu(run.base_model, ckpt, label, options, stack,
-                                               lora_rank=run.config.get("lora_rank", 8))
+                client, _ = await servers.on_cpu(run.base_model, ckpt, label, lora_rank=run.config.get("lora_rank", 8))
             except DataError as exc:
                 others = [str(n) for n in run.steps() if n != number]
                 raise DataError(f"{exc}" + (f" The run's other checkpoints: {', '.join(others)} (--model "
                                              f"{run.name}@{others[-1]})." if others else "")) from None
         else:
-            client, label, served = await serve_with_art(run, step, stack, options.timeout)
+            client, label, served = await servers.with_art(run, step)
         policy = Policy(client, label if run.backend == "cpu" else served, **common)
         return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl",
                           step=int(label.rpartition("@")[2]))
 
     shape = (default_shape or Episode()).override(**options.shape)
     if name == "base":  # check_specs refused base@N
-        client, label = await serve_on_cpu(options.base_model, None, None, options, stack)
+        client, label = await servers.on_cpu(options.base_model, None, None)
         return Contestant(label, Policy(client, label, **common), shape, "cpu")
 
     provider, _, model = name.partition("/")
@@ -234,30 +219,6 @@ async def open_contestant(spec: str, options: Options, stack: contextlib.AsyncEx
     return Contestant(spec, policy, shape, "api", price_model=name)
 
 
-async def serve_on_cpu(base_model: str, checkpoint: Path | None, label: str | None, options: Options,
-                       stack: contextlib.AsyncExitStack, lora_rank: int = 8):
-    """(client, model name) on the one vLLM server of `base_model` in this evaluation (`stack`): the base model
-    under the server's name for it, a checkpoint a LoRA loaded into it as `label`. The first call starts it."""
-    # here, not at the top: openai takes ~0.4 s (pydantic) and backends.cpu imports torch, transformers, peft, ART
-    from openai import AsyncOpenAI
-
-    from email_agent.backends.cpu import CheckpointError
-    from email_agent.backends.cpu.checkpoints import check_adapter
-
-    servers = _CPU_SERVERS.setdefault(stack, {})
-    if base_model not in servers:
-        servers[base_model] = asyncio.ensure_future(_start_cpu_server(base_model, options, stack, lora_rank))
-    server = await servers[base_model]
-    if checkpoint is not None:
-        try:
-            check_adapter(str(checkpoint))
-        except CheckpointError as exc:
-            raise DataError(str(exc)) from None
-        await server.load_lora(label, str(checkpoint))
-    client = AsyncOpenAI(base_url=server.base_url, api_key="local", timeout=options.timeout, max_retries=2)
-    return client, label if checkpoint is not None else server.served_name
-
-
 def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
     """The LoRA rank the CPU path's vLLM must hold for these --model values: the largest CPU run's (vLLM sizes every
     LoRA slot by it, and slots of rank 64 made a rank-8 adapter's evaluation 20% slower: bench_vllm.py)."""
@@ -268,106 +229,6 @@ def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
             ranks.append(run.config.get("lora_rank", 8))
     return max(ranks)
 
-
-def cpu_served_name(base_model: str) -> str:
-    """What the CPU path calls an untrained base model (evaluation's `base`, the CPU backend's server)."""
-    return f"base:{Path(base_model).name}"
-
-
-async def _start_cpu_server(base_model: str, options: Options, stack: contextlib.AsyncExitStack, lora_rank: int):
-    # here, not at the top: backends.cpu imports torch, transformers, peft and ART (seconds)
-    from email_agent.backends.cpu.model import load_tokenizer, served_model_dir
-
-    tokenizer = await asyncio.to_thread(load_tokenizer, base_model)  # its tool chat template
-    log = Path(options.log_dir or Path(options.art_dir) / "logs") / "vllm-evaluation.log"
-    server = VLLMServer(served_model_dir(base_model), cpu_served_name(base_model),
-                        chat_template=tokenizer.chat_template, log_path=log,
-                        lora_rank=max(lora_rank, options.cpu_lora_rank),
-                        max_num_seqs=max(32, options.concurrency * 3), seed=options.seed)
-    stack.push_async_callback(server.close)
-    server.start()
-    await server.wait_ready()
-    return server
-
-
-# The vLLM server of each base model, per evaluation (one AsyncExitStack): every CPU contestant plays on it.
-_CPU_SERVERS: "weakref.WeakKeyDictionary[contextlib.AsyncExitStack, dict]" = weakref.WeakKeyDictionary()
-
-
-# The ART models registered per evaluation (one AsyncExitStack): several steps of one run share its backend,
-# where each would otherwise start its own trainer and vLLM on the same GPU.
-_REGISTERED: "weakref.WeakKeyDictionary[contextlib.AsyncExitStack, dict]" = weakref.WeakKeyDictionary()
-
-
-async def serve_with_art(run: Run, step: str, stack: contextlib.AsyncExitStack, timeout: float):
-    """A run trained on an ART backend, served by that backend: register a model of the same name, project
-    and folder (as training does), then ask for the step. Returns (client, label, served model name).
-    A second step of the same run is served by the backend the first one started."""
-    # here, not at the top: ART imports torch and transformers (seconds), and --help loads this module
-    import art
-    from openai import AsyncOpenAI
-
-    registered = _REGISTERED.setdefault(stack, {})
-    try:
-        model = registered.get(run.path)
-        if model is None:
-            cfg = SimpleNamespace(**{**run.config, "art_dir": run.art_dir})
-            backends.hide_wandb_key(run.backend, wandb=False)  # ART would start a W&B run to serve it
-            try:
-                backend = backends.make_backend(run.backend, cfg)
-            except backends.BackendError as exc:
-                raise DataError(cannot_serve(run, step, str(exc))) from None
-            stack.push_async_callback(backend.close)
-            model = art.TrainableModel(
-                name=run.name, project=run.project, base_model=run.base_model, base_path=run.art_dir,
-                _internal_config=backends.internal_config(cfg) if run.backend == "local" else None)
-            await model.register(backend)
-            registered[run.path] = model
-        latest = await model.get_step()
-        wanted = latest if step in ("", "latest") else int(step)
-        if run.backend == "local" and wanted != latest:
-            # ART 0.5.18 serves only the latest step and has no public call for another: load that LoRA
-            # into the running vLLM the way ART itself does after each training step.
-            _, folder = run.checkpoint(str(wanted))
-            await load_lora_adapter(model.inference_base_url, model.inference_api_key,
-                                    model.get_inference_name(wanted), str(folder.resolve()))
-        served = model.get_inference_name(wanted)
-        # Our own client on the model's endpoint and key, as training's Policy.for_model does: ART 0.5.18's
-        # model.openai_client() hands openai an httpx.Timeout it cannot add to a float (TypeError per request).
-        client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key or "none",
-                             timeout=timeout, max_retries=2)
-    except DataError:
-        raise
-    except Exception as exc:  # a runtime that will not build or start: say so, with the way around it
-        raise DataError(cannot_serve(run, step, f"{type(exc).__name__}: {redact(str(exc)[:300])}")) from None
-    return client, f"{run.name}@{wanted}", served
-
-
-async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, path: str) -> None:
-    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/load_lora_adapter"
-    async with httpx.AsyncClient(timeout=120.0) as client:
-        response = await client.post(url, json={"lora_name": lora_name, "lora_path": path, "load_inplace": True},
-                                     headers={"Authorization": f"Bearer {api_key or 'none'}"})
-    if response.status_code >= 400:
-        raise DataError(f"vLLM would not load the LoRA {path} as {lora_name} (HTTP {response.status_code}: "
-                        f"{response.text[:200]}).")
-
-
-def cannot_serve(run: Run, step: str, reason: str) -> str:
-    """What is missing to serve a run the way it was trained, and the way around it."""
-    message = f"run {run.name!r} was trained on the {run.backend} backend, which cannot serve it here: {reason}"
-    steps = run.steps()
-    if not steps:
-        return message + (f" Its checkpoints are not in {run.path / 'checkpoints'}; evaluate it where it was "
-                          f"trained, or copy its folder there first.")
-    number = steps[-1] if step in ("", "latest") or not is_step(step) else int(step)
-    folder = run.path / "checkpoints" / f"{number:04d}"
-    rank = backends.gpu_checks.vllm_lora_rank(run.config.get("lora_rank", 8))
-    return message + (f" To evaluate it anyway, serve the checkpoint with vLLM on a GPU machine: `vllm serve "
-                      f"{run.base_model} --enable-lora --max-lora-rank {rank} --lora-modules {run.name}={folder} "
-                      f"--enable-auto-tool-choice --tool-call-parser hermes`, then pass --model "
-                      f"hosted_vllm/{run.name} --base-url http://HOST:8000/v1 (see docs/evaluation.md, 'A GPU "
-                      f"run, evaluated anywhere').")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,103 +280,6 @@ async def probe(contestant: Contestant) -> None:
         return  # reachable, authorised, the model exists; the request's shape is the rollout's business
     except (openai.APIConnectionError, openai.APIStatusError) as exc:
         raise failure(exc) from None
-
-
-# ----------------------------------------------------------------------------------------------
-# Records: one per question x model
-# ----------------------------------------------------------------------------------------------
-
-def cost_usd(price_model: str | None, prompt_tokens: int, completion_tokens: int) -> float | None:
-    if price_model is None:
-        return None
-    # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and --help loads this module
-    import litellm
-
-    try:
-        prompt_cost, completion_cost = litellm.cost_per_token(model=price_model, prompt_tokens=prompt_tokens,
-                                                              completion_tokens=completion_tokens)
-    except Exception:  # litellm raises for models it has no price for
-        return None
-    return prompt_cost + completion_cost
-
-
-def make_record(contestant: Contestant, question: Question, traj, config) -> dict:
-    """One line of results.jsonl: enough to report, re-judge and warm-start from without re-running."""
-    m, meta = traj.metrics, traj.metadata
-    verdict = None
-    if meta.get("answer") is not None:
-        verdict = {"correct": bool(m["answer_correct"]), "judge": meta.get("verdict_judge"),
-                   "reasoning": meta.get(rewards.VERDICT_REASONING), "error": meta.get(rewards.VERDICT_ERROR)}
-    return {"model": contestant.label, "question_id": question.id, "question": question.question,
-            "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
-            "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
-            "withheld": json.loads(meta["withheld"]) if meta.get("withheld") else None,
-            "grounded_answers": config.grounded_answers,
-            "reward": traj.reward, "reward_mode": config.reward, "max_turns": config.max_turns, "verdict": verdict,
-            "episode": contestant.shape.shape(), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
-            "concurrency": contestant.policy.max_concurrency,
-            "metrics": dict(m),
-            "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
-            "error": meta.get("error"), "messages": traj.messages()}
-
-
-async def rejudge_folder(folder: Path, config, grounded_answers: bool) -> list[dict]:
-    """Every answer of an earlier evaluation (its results.jsonl) scored again with `config`'s judge, without
-    playing the episodes again."""
-    results = folder / "results.jsonl"
-    if not results.is_file():
-        raise DataError(f"--rejudge {folder}: no results.jsonl there (an output folder of this command).")
-    stored, torn = read_results(results)
-    if torn:
-        log.warning("note: %d unreadable line(s) in %s skipped", torn, results)
-    if not stored:
-        raise DataError(f"--rejudge {folder}: results.jsonl holds no results to re-score.")
-    unique = {}
-    for record in stored:  # two files joined by hand would count each question twice
-        unique.setdefault((record["model"], str(record["question_id"])), record)
-    if len(unique) < len(stored):
-        log.warning("note: %d repeated answer(s) (same model and question) in %s skipped", len(stored) - len(unique),
-                    results)
-    if any(bool(r.get("grounded_answers")) != grounded_answers for r in unique.values()):
-        log.warning("note: re-scoring %s the grounding check (--grounded-answers), unlike the evaluation in %s",
-                    "with" if grounded_answers else "without", folder)
-    return [await rejudge_record(r, config) for r in tqdm(list(unique.values()), desc="re-judging", unit=" answers")]
-
-
-async def rejudge_record(record: dict, config) -> dict:
-    """Re-score a stored record with another judge: the agent's answer stays, the verdict and reward change.
-    An answer the grounding check withheld is judged as the agent gave it, and withheld again only if `config`
-    asks for the check (so `--rejudge DIR --grounded-answers` applies it to an evaluation made without)."""
-    # here, not at the top: rollout imports ART (torch, seconds), and --help loads this module
-    from email_agent.agent.rollout import grade, withhold_ungrounded
-
-    fields = Rubric.__dataclass_fields__
-    rubric = Rubric(**{k: v for k, v in record["metrics"].items() if k in fields})
-    rubric.answer_correct = rubric.hallucinated = rubric.judge_error = rubric.attempted_answer = 0
-    rubric.returned_i_dont_know = rubric.sources_correct = rubric.withheld_answer = rubric.withheld_right = 0
-    question = Question(record["question_id"], record["question"], record["gold_answer"], record["gold_message_ids"],
-                        None, record["inbox"], record["query_date"], "")
-    given = record.get("withheld") or record
-    answer, sources, withheld = withhold_ungrounded(given["answer"], given["sources"], record["messages"], config)
-    verdict = await grade(rubric, question, answer, sources, config, withheld)
-    max_turns = record.get("max_turns", config.max_turns)
-    new = dict(record, answer=answer, sources=sources, withheld=withheld, grounded_answers=config.grounded_answers,
-               metrics={**record["metrics"], **{k: getattr(rubric, k) for k in fields}},
-               reward=rewards.reward(config.reward, rubric, max_turns, len(sources)),
-               reward_mode=config.reward)
-    new["verdict"] = None if verdict is None else {"correct": verdict.correct, "judge": verdict.judge,
-                                                   "reasoning": verdict.reasoning, "error": verdict.error}
-    return new
-
-
-def scoring_config(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str,
-                   grounded_answers: bool = False):
-    """A Episode carrying how answers are graded and whether ungrounded ones are withheld (each
-    contestant adds its episode shape)."""
-    mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
-    if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
-        mode = "shaped" if judge else "offline"
-    return Episode(reward=mode, judge=judge, grounded_answers=grounded_answers)
 
 
 def shared_run_shape(specs: list[str], art_dir: str) -> Episode | None:
