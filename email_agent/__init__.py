@@ -1,7 +1,7 @@
 """Email search agents trained with reinforcement learning (the ART·E recipe).
 
 Modules, in the order data flows through them:
-data (sources, schema, build, read-only access) -> questions -> tools -> rollout -> rewards
+data (sources, schema, build, read-only access) -> questions -> tools -> rollout -> grading -> rewards
 -> backends (CPU trainer/server; ART's GPU backends) -> report.
 """
 

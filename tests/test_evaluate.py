@@ -13,7 +13,7 @@ from email_agent.evaluation import players, report, serving
 from email_agent import runs
 from email_agent.data import questions as qmod
 from email_agent.errors import DataError
-from email_agent.agent.rewards import JUDGE_PROBE, judge_request
+from email_agent.agent.grading import JUDGE_PROBE, judge_request
 from art_doubles import GPUService, on_a_gpu_machine
 from scripted_server import call, expert_script, serve_in_thread
 
@@ -217,7 +217,7 @@ def test_a_judge_that_cannot_run_stops_the_evaluation_before_any_rollout(demo_db
 def test_judge_retries_only_transient_errors(status, requests):
     import asyncio
 
-    from email_agent.agent.rewards import LLMJudge
+    from email_agent.agent.grading import LLMJudge
 
     with serve_in_thread({"*": [{"status": status}] * 5}) as server:
         judge = LLMJudge("openai/judge", api_base=server.base_url, retries=3)
@@ -585,7 +585,7 @@ def test_traced_rollout_wraps_the_judge_and_never_requires_weave(monkeypatch):
     import weave
     from weave.trace.op import is_op
 
-    from email_agent.agent.rewards import LLMJudge
+    from email_agent.agent.grading import LLMJudge
     from email_agent.agent.rollout import rollout
     from email_agent.tracing import traced_rollout
 

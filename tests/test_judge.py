@@ -10,7 +10,7 @@ import art
 import pytest
 from openai import AsyncOpenAI
 
-from email_agent.agent import rewards
+from email_agent.agent import grading, rewards
 from email_agent.data import questions as qmod
 from email_agent.errors import DataError
 from email_agent.agent.episode import Episode
@@ -32,7 +32,7 @@ def play(db, q, answer, judge_reply, mode, tmp_path):
 
     async def go():
         async with ScriptedServer(scripts) as server:
-            mode_, judge = rewards.configure(mode, "openai/judge", server.base_url, tmp_path)
+            mode_, judge = grading.configure(mode, "openai/judge", server.base_url, tmp_path)
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, db, Episode(reward=mode_, judge=judge))
             return traj, [r for r in server.requests if r["model"] == "judge"]
@@ -54,34 +54,34 @@ def test_reward_judge_is_the_judges_verdict_alone(demo_db, q, tmp_path, judge_re
 def test_a_reward_that_needs_a_judge_is_refused_without_one(monkeypatch, tmp_path, mode, caplog):
     monkeypatch.delenv("JUDGE_MODEL", raising=False)
     with pytest.raises(DataError, match=f"--reward {mode} needs a judge: pass --judge-model"):
-        rewards.configure(mode, None, None, tmp_path)
-    assert rewards.configure(None, None, None, tmp_path) == ("offline", None)  # no judge: offline by default
+        grading.configure(mode, None, None, tmp_path)
+    assert grading.configure(None, None, None, tmp_path) == ("offline", None)  # no judge: offline by default
     assert caplog.messages[-1] == ("no judge configured: answers are graded OFFLINE by normalised match against the "
                                    "gold answer (pass --judge-model for an LLM judge).")  # said loudly
     with pytest.raises(DataError, match=re.escape("--reward must be one of offline, shaped, judge, ruler, not 'rlhf'")):
-        rewards.configure("rlhf", None, None, tmp_path)
+        grading.configure("rlhf", None, None, tmp_path)
 
 
 def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("JUDGE_MODEL", "openai/env-judge")
     monkeypatch.setenv("JUDGE_API_BASE", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("JUDGE_API_KEY", "judge-secret")
-    mode, judge = rewards.configure(None, None, None, tmp_path)
+    mode, judge = grading.configure(None, None, None, tmp_path)
     assert mode == "shaped" and judge.model == "openai/env-judge"  # a judge makes shaped the default
     assert judge.litellm_params() == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret",
                                       "timeout": 60.0}
     assert "judge-secret" not in repr(judge)
     # the judge's cache may go in a folder that does not exist yet
-    assert rewards.configure(None, None, None, tmp_path / "new" / "run")[1].cache_path.parent.is_dir()
+    assert grading.configure(None, None, None, tmp_path / "new" / "run")[1].cache_path.parent.is_dir()
     # a flag wins over the environment
-    assert rewards.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
+    assert grading.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
 
 
 def test_ruler_without_an_answer_judge_uses_the_judge_endpoint_and_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("JUDGE_API_BASE", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("JUDGE_API_KEY", "judge-secret")
-    assert rewards.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
-    assert rewards.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
+    assert grading.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
+    assert grading.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
 
 
 def test_the_judge_cache_survives_a_torn_line(demo_db, q, tmp_path):
@@ -117,11 +117,11 @@ def test_judge_failures_are_transient_or_not():
         def __init__(self, status):
             self.status_code = status
 
-    assert all(rewards.may_pass(Status(s)) for s in (408, 409, 429, 500, 502, 503))
-    assert not any(rewards.may_pass(Status(s)) for s in (400, 401, 403, 404, 410))
-    assert not rewards.may_pass(RuntimeError("no status at all"))
-    assert rewards.is_transient(ValueError("judge reply has no JSON"))  # asked again at once ...
-    assert not rewards.may_pass(ValueError("judge reply has no JSON"))  # ... but not waited for: it never parses
+    assert all(grading.may_pass(Status(s)) for s in (408, 409, 429, 500, 502, 503))
+    assert not any(grading.may_pass(Status(s)) for s in (400, 401, 403, 404, 410))
+    assert not grading.may_pass(RuntimeError("no status at all"))
+    assert grading.is_transient(ValueError("judge reply has no JSON"))  # asked again at once ...
+    assert not grading.may_pass(ValueError("judge reply has no JSON"))  # ... but not waited for: it never parses
 
 
 def test_a_judge_that_answers_in_prose_is_asked_again_then_graded_offline():
@@ -135,10 +135,10 @@ def test_a_judge_that_answers_in_prose_is_asked_again_then_graded_offline():
 def test_judge_endpoints_get_a_placeholder_key_only_when_local():
     """Catches: a placeholder key sent to a provider's own API (it must fall back to e.g. OPENAI_API_KEY), or none
     sent to a local server (the OpenAI client refuses to send no key)."""
-    assert rewards.endpoint_params(None, None) == {}
-    assert rewards.endpoint_params("http://127.0.0.1:8000/v1", None, 5.0) == {
+    assert grading.endpoint_params(None, None) == {}
+    assert grading.endpoint_params("http://127.0.0.1:8000/v1", None, 5.0) == {
         "api_base": "http://127.0.0.1:8000/v1", "api_key": "none", "timeout": 5.0}
-    assert rewards.endpoint_params(None, "sk-x") == {"api_key": "sk-x"}
+    assert grading.endpoint_params(None, "sk-x") == {"api_key": "sk-x"}
 
 
 def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):
@@ -150,7 +150,7 @@ def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):
         return replies[min(len(seen.append(body) or seen), len(replies)) - 1]
 
     with serve_in_thread({"judge": {"*": script}}) as server:
-        judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=retries, cache_path=cache_path)
+        judge = grading.LLMJudge("openai/judge", api_base=server.base_url, retries=retries, cache_path=cache_path)
         verdicts = [asyncio.run(judge.verdict(question, gold, answer)) for answer in answers]
         return verdicts, server.requests
 
@@ -167,7 +167,7 @@ def test_the_judge_sees_the_question_the_reference_and_the_answer_and_decides_on
         (False, "openai/judge", "answered I don't know")]
     assert len(requests) == 1
     assert requests[0]["messages"] == [
-        {"role": "system", "content": rewards.JUDGE_PROMPT},
+        {"role": "system", "content": grading.JUDGE_PROMPT},
         {"role": "user", "content": "Question: Which room?\nReference answer: Room 3C\nAI answer: It is room 3C."}]
     assert requests[0]["temperature"] == 0 and requests[0]["max_tokens"] == 300
 
@@ -177,7 +177,7 @@ def test_a_judge_that_fails_leaves_the_offline_matchers_verdict_flagged():
     restates the question) or without its reasons."""
     question, gold = "How many FTEs were approved?", "21 FTEs"
     (verdict,), requests = ask_judge([{"status": 401}], question, gold, ["21"])
-    offline = rewards.offline_verdict("21", gold, question)
+    offline = grading.offline_verdict("21", gold, question)
     assert offline.correct and len(requests) == 1  # a wrong key is not retried
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", offline.reasoning)
     assert verdict.error.startswith("judge openai/judge failed after 1 try (AuthenticationError")
@@ -203,7 +203,7 @@ def test_a_judge_that_is_rate_limited_backs_off_exponentially_up_to_10_s(monkeyp
     (json.dumps({"reasoning": "x" * 900, "accept": True}), True, "x" * 500),  # a rambling reason, cut
 ])
 def test_judge_replies_that_parse(text, correct, reasoning):
-    verdict = rewards.parse_judge_reply(text, "openai/judge")
+    verdict = grading.parse_judge_reply(text, "openai/judge")
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (correct, "openai/judge", reasoning)
 
 
@@ -212,7 +212,7 @@ def test_judge_replies_that_parse(text, correct, reasoning):
 def test_judge_replies_that_do_not_parse_say_why(text, says):
     """Catches: an error without its reason (it is what the report shows for a judge that answers in prose)."""
     with pytest.raises(ValueError, match=re.escape(says)):
-        rewards.parse_judge_reply(text, "openai/judge")
+        grading.parse_judge_reply(text, "openai/judge")
 
 
 def test_a_failing_judge_prints_no_litellm_banner(monkeypatch, capfd):
@@ -227,22 +227,22 @@ def test_a_failing_judge_prints_no_litellm_banner(monkeypatch, capfd):
 
 
 def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db, q, tmp_path):
-    """What the train loop does once a judge that was down is back (`regrade`). Catches: the answer or its sources
-    not read back from the episode, outcome fields left from the offline fallback, and the run's hallucination
-    penalty dropped from the new reward."""
-    from email_agent.agent.rollout import regrade
+    """What the train loop does once a judge that was down is back (`regrade_judge_failures`). Catches: the answer
+    or its sources not read back from the episode, outcome fields left from the offline fallback, and the run's
+    hallucination penalty dropped from the new reward."""
+    from email_agent.agent.grading import regrade_judge_failures
 
     scripts = {"agent": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}
 
     async def go():
         async with ScriptedServer(scripts) as server:
-            judge = rewards.LLMJudge("openai/judge", api_base=server.base_url, retries=1)
+            judge = grading.LLMJudge("openai/judge", api_base=server.base_url, retries=1)
             config = Episode(reward="shaped", judge=judge, hallucination_penalty=2.0)
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, demo_db, config)
             first = (dict(traj.metrics), dict(traj.metadata))
             server.scripts["judge"] = {"*": [REJECT]}  # back, and it rejects the answer
-            group = await regrade(art.TrajectoryGroup([traj]), {q.id: q}, config)
+            group = await regrade_judge_failures(art.TrajectoryGroup([traj]), {q.id: q}, config)
             return first, group.trajectories[0], server.requests
 
     (metrics, metadata), traj, requests = asyncio.run(go())
@@ -262,18 +262,18 @@ def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db
 def test_a_regraded_episode_the_judge_accepts_is_rewarded_in_the_runs_mode(demo_db, q, reward):
     """Catches a re-graded reward computed in another mode than the run's, or without the number of sources (the
     shaped reward's citing bonus is divided by it)."""
-    from email_agent.agent.rollout import regrade
+    from email_agent.agent.grading import regrade_judge_failures
 
     scripts = {"agent": {q.question: expert_script(q)}, "judge": {"*": [{"status": 401}]}}
 
     async def go():
         async with ScriptedServer(scripts) as server:
-            config = Episode(reward=reward, judge=rewards.LLMJudge("openai/judge", api_base=server.base_url,
+            config = Episode(reward=reward, judge=grading.LLMJudge("openai/judge", api_base=server.base_url,
                                                                          retries=1))
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, demo_db, config)
             server.scripts["judge"] = {"*": [ACCEPT]}
-            return (await regrade(art.TrajectoryGroup([traj]), {q.id: q}, config)).trajectories[0]
+            return (await regrade_judge_failures(art.TrajectoryGroup([traj]), {q.id: q}, config)).trajectories[0]
 
     traj = asyncio.run(go())
     assert traj.metrics["answer_correct"] == 1 and traj.metadata["verdict_judge"] == "openai/judge"

@@ -11,7 +11,7 @@ from openai import AsyncOpenAI
 
 from conftest import needs_enron
 from email_agent.data import questions as qmod
-from email_agent.agent import rewards
+from email_agent.agent import grading, rewards
 from email_agent.data.questions import Question
 from email_agent.agent.rewards import Rubric, shaped_reward
 from email_agent.agent.episode import Episode
@@ -388,14 +388,14 @@ def test_shaped_reward_hand_values():
 def test_answers_are_compared_without_case_accents_symbols_digit_separators_or_articles(text, normal):
     """Both sides of every offline verdict go through this. Catches a character with no ASCII form raising
     instead of being dropped, "4,000" read as two numbers, and an article kept."""
-    assert rewards.normalize_answer(text) == normal
+    assert grading.normalize_answer(text) == normal
 
 
 @pytest.mark.parametrize("answer, idk", [("I don't know", True), ("i dont know.", True), ("I do not know!", True),
                                          ("I don't know yet", False), ("Not known", False)])
 def test_each_way_of_saying_i_dont_know_is_recognised(answer, idk):
     """Catches a spelling of "I don't know" that would be graded as an attempted (wrong, hallucinated) answer."""
-    assert rewards.is_i_dont_know(answer) is idk
+    assert grading.is_i_dont_know(answer) is idk
 
 
 @pytest.mark.parametrize("answer, gold, reasoning", [
@@ -405,7 +405,7 @@ def test_each_way_of_saying_i_dont_know_is_recognised(answer, idk):
     ("Room 3C, as the notes from the meeting say " * 3, "Room 3C", "gold answer buried in an over-long answer"),
 ])
 def test_offline_verdict_rejects_i_dont_know_an_empty_gold_a_miss_and_a_buried_answer(answer, gold, reasoning):
-    verdict = rewards.offline_verdict(answer, gold, "When?")
+    verdict = grading.offline_verdict(answer, gold, "When?")
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "offline", reasoning)
 
 
@@ -436,7 +436,7 @@ def test_rollout_on_real_enron_sample(enron_db):
     ("21 " + "and more words " * 10, "21 FTEs", "How many FTEs were approved?", False),  # still capped in length
 ])
 def test_offline_verdict_lets_an_answer_leave_out_the_question_own_closing_words(answer, gold, question, correct):
-    assert rewards.offline_verdict(answer, gold, question).correct is correct
+    assert grading.offline_verdict(answer, gold, question).correct is correct
 
 
 @pytest.mark.parametrize("answer,gold,correct", [  # answers to the real-mail question set's golds
@@ -453,7 +453,7 @@ def test_offline_verdict_takes_the_gold_answers_words_in_another_order(answer, g
     """Real answers reword the gold: every word of it, in any order or with words between, and no number it
     lacks, is right (no demo verdict moved: the answers of two `make demo` runs' GRPO, validation and evaluation
     episodes, 344 in all, graded the same before and after)."""
-    assert rewards.offline_verdict(answer, gold, "What is it?").correct is correct
+    assert grading.offline_verdict(answer, gold, "What is it?").correct is correct
 
 
 @pytest.mark.parametrize("answer, gold, question, reasoning", [
@@ -465,7 +465,7 @@ def test_offline_verdict_takes_the_gold_answers_words_in_another_order(answer, g
 def test_offline_verdict_says_which_rule_accepted_the_answer(answer, gold, question, reasoning):
     """The reasoning is what a user reads in the report to check a grade; catches a verdict credited to
     another judge or to the wrong rule."""
-    verdict = rewards.offline_verdict(answer, gold, question)
+    verdict = grading.offline_verdict(answer, gold, question)
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", reasoning)
 
 
@@ -474,21 +474,21 @@ def test_offline_verdict_caps_an_answer_at_three_times_the_gold_or_60_characters
     """The cap on pasted answers, to the character: the longer of three times the gold answer (34 characters
     once normalised for the long one: a cap of 102) and the gold answer plus 60 (7 for "room 3c": a cap of 67).
     Catches a cap that ignores the gold answer's length, or sits a character off either way."""
-    want = rewards.normalize_answer(gold)
+    want = grading.normalize_answer(gold)
     cap = max(3 * len(want), len(want) + 60)
 
     def answer_of(length):
         answer = f"{gold} " + "z" * (length - len(want) - 1)
-        assert len(rewards.normalize_answer(answer)) == length
+        assert len(grading.normalize_answer(answer)) == length
         return answer
 
-    assert rewards.offline_verdict(answer_of(cap), gold).correct
-    assert rewards.offline_verdict(answer_of(cap + 1), gold).reasoning == "gold answer buried in an over-long answer"
+    assert grading.offline_verdict(answer_of(cap), gold).correct
+    assert grading.offline_verdict(answer_of(cap + 1), gold).reasoning == "gold answer buried in an over-long answer"
 
 
 def test_i_dont_know_is_graded_wrong_by_rule(q):
     """`--rejudge` writes this verdict into results.jsonl as it is. Catches an "I don't know" recorded as right."""
-    from email_agent.agent.rollout import grade
+    from email_agent.agent.grading import grade
 
     rubric = Rubric()
     verdict = asyncio.run(grade(rubric, q, "I don't know", [], Episode()))
@@ -513,16 +513,16 @@ def test_ungrounded_terms_are_the_names_and_numbers_in_nothing_the_agent_saw():
                 {"role": "tool", "content": json.dumps({"body": "moved to Room 4B at 2:30 PM, code 2FXQ7R,\nKestrel"})},
                 {"role": "tool", "content": "Error: no email with message_id 'Room 9Z' in this inbox."},
                 {"role": "user", "content": "Error: reply with a tool call, not plain text."}]
-    assert rewards.ungrounded_terms("Room 4B at 2:30 PM", messages) == []
-    assert rewards.ungrounded_terms("CAFÉ ELAN, for the Egret kickoff", messages) == []  # question words count
-    assert rewards.ungrounded_terms("Room 7Q", messages) == ["7Q"]  # the system prompt is not evidence
-    assert rewards.ungrounded_terms("Room 12", messages) == ["12"]
-    assert rewards.ungrounded_terms("FXQ7R", messages) == ["FXQ7R"]  # a code with a dropped character
-    assert rewards.ungrounded_terms("Room 3 or Room 3", messages) == ["3"]
-    assert rewards.ungrounded_terms("Room 9Z", messages) == ["9Z"]  # an error quoting the agent proves nothing
-    assert rewards.ungrounded_terms("Tuesday, March 12", messages) == ["12"]  # calendar names follow from dates
+    assert grading.ungrounded_terms("Room 4B at 2:30 PM", messages) == []
+    assert grading.ungrounded_terms("CAFÉ ELAN, for the Egret kickoff", messages) == []  # question words count
+    assert grading.ungrounded_terms("Room 7Q", messages) == ["7Q"]  # the system prompt is not evidence
+    assert grading.ungrounded_terms("Room 12", messages) == ["12"]
+    assert grading.ungrounded_terms("FXQ7R", messages) == ["FXQ7R"]  # a code with a dropped character
+    assert grading.ungrounded_terms("Room 3 or Room 3", messages) == ["3"]
+    assert grading.ungrounded_terms("Room 9Z", messages) == ["9Z"]  # an error quoting the agent proves nothing
+    assert grading.ungrounded_terms("Tuesday, March 12", messages) == ["12"]  # calendar names follow from dates
     # a JSON reply is read by its values: "\nKestrel" is "Kestrel", not the escaped text's "nKestrel"
-    assert rewards.ungrounded_terms("Kestrel", messages) == []
+    assert grading.ungrounded_terms("Kestrel", messages) == []
 
 
 def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_db, q):
@@ -534,7 +534,7 @@ def test_grounding_check_withholds_answers_naming_what_the_agent_never_saw(demo_
     m = checked.metrics
     assert (m["returned_i_dont_know"], m["attempted_answer"], m["hallucinated"]) == (1, 0, 0)
     assert (m["withheld_answer"], m["withheld_right"], m["judge_error"]) == (1, 0, 0)  # graded, by a judge that ran
-    assert checked.metadata["answer"] == rewards.IDK and json.loads(checked.metadata["sources"]) == []
+    assert checked.metadata["answer"] == grading.IDK and json.loads(checked.metadata["sources"]) == []
     assert json.loads(checked.metadata["withheld"]) == {"answer": "Zanzibar Lodge", "sources": q.message_ids,
                                                         "unseen": ["Zanzibar"]}
     assert "Zanzibar" in checked.metadata["verdict_reasoning"]

@@ -2,8 +2,10 @@
 
 Modules, in the order an episode flows through them:
   episode   `Episode`: turns, reply length, email length, results per search (saved with each run)
-  tools     search_inbox, read_email, return_final_answer over an `EmailDB`
+  tools     search_inbox, read_email, return_final_answer over an `EmailDB`, and the dispatch of every call
   rollout   one async function: a question played by a policy through the tools, returning an ART Trajectory
-  rewards   grading (offline match, an LLM judge, RULER) and the shaped reward GRPO learns from
+  grading   is the answer right: the offline matcher, an LLM judge, the grounding check, RULER's judge; an
+            episode's answer graded (and graded again: the train loop after a judge outage, `--rejudge`)
+  rewards   the Rubric turned into a number: the shaped and binary rewards, RULER's scores as a group's rewards
   expert    the scripted expert the warm start imitates, played through the same rollout
 """

@@ -11,12 +11,8 @@ evaluation's own. Kept free of heavy imports so both command lines can use it at
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
 
 from email_agent.agent.tools import DEFAULT_MAX_BODY_CHARS, DEFAULT_SEARCH_RESULTS
-
-if TYPE_CHECKING:  # for the annotation only: rewards imports the judge's retry machinery
-    from email_agent.agent.rewards import LLMJudge
 
 
 
@@ -35,9 +31,9 @@ class Episode:
     search_results: int = _shape(DEFAULT_SEARCH_RESULTS, "results per search when the model does not ask for a number")
     # the scoring
     reward: str = "offline"  # see rewards.REWARD_MODES
-    judge: LLMJudge | None = None
+    judge: object | None = None  # a `grading.LLMJudge` (grading reads the episode: not imported here); None: offline
     hallucination_penalty: float = 1.0  # what a wrong answer costs in the shaped reward (rewards.shaped_reward)
-    grounded_answers: bool = False  # withhold answers naming what the agent never saw (`rollout.withhold_ungrounded`)
+    grounded_answers: bool = False  # withhold answers naming what the agent never saw (`grading.withhold_ungrounded`)
 
     def shape(self) -> dict:
         """The shape's fields by name: what run_config.json saves and the evaluation records."""

@@ -1,9 +1,9 @@
-"""Rewards: deciding whether an answer is right (the verdict) and turning recorded facts into a number.
+"""Rewards: recorded facts turned into a number. Calls no model.
 
-Owns: the offline answer matcher, the grounding test of an answer (`ungrounded_terms`), the LLM judge
-(litellm; cached, retried, failures recorded), the reward formulas (`shaped`, `judge` = binary), and RULER
-group scoring. It never calls the policy and never touches the database; the rollout records facts (a
-`Rubric`), this module scores them.
+Owns: the `Rubric` (what happened in one episode: recorded by the rollout, its outcome fields filled in by
+`grading`, and doubling as the trajectory's metrics), the reward modes and their formulas (`shaped`, `judge` =
+binary), and RULER's relative scores applied to a group (`ruler_rewards`, `ruler_failed`; asking RULER's judge
+is `grading.ruler_group`'s). Whether an answer is right is `grading`'s to decide.
 
 Reward modes (`--reward`):
   offline  shaped formula, verdict from the offline matcher (no network; the default with no judge)
@@ -14,36 +14,19 @@ Reward modes (`--reward`):
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-import re
-import unicodedata
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-import tenacity
-
-from email_agent.errors import DataError
-from email_agent.redact import redact
-
-log = logging.getLogger(__name__)
+from dataclasses import dataclass
 
 REWARD_MODES = ("offline", "shaped", "judge", "ruler")
-# Keys of a graded trajectory's metadata (and RULER's metric): written by `rollout` and `ruler_group`, read by the
-# training loop's outage handling (training.judge_outages), each step's health and the evaluation's records.
-VERDICT_REASONING = "verdict_reasoning"  # the judge's reasons, when it gives them
-VERDICT_ERROR = "verdict_error"  # why the judge gave no verdict (the episode was then graded offline)
-VERDICT_TRANSIENT = "verdict_transient"  # that error may pass (5xx, 429, timeout): worth waiting for
+# Keys RULER's outcome is recorded under (`ruler_failed`, `ruler_rewards`), read by the training loop's outage
+# handling (training.judge_outages) and each step's health. The verdict's keys are `grading`'s.
 RULER_ERROR = "ruler_error"  # why RULER could not score the group (metadata: the message; metrics: 1 or 0)
 JUDGE_TRANSIENT = "judge_transient"  # RULER's error may pass
-IDK = "I don't know"
 
 
 @dataclass
 class Rubric:
-    """What happened in one episode. Recorded by the rollout; doubles as the trajectory's metrics."""
+    """What happened in one episode. Recorded by the rollout, its outcome graded (`grading.grade`); doubles as
+    the trajectory's metrics."""
 
     answer_correct: int = 0
     sources_correct: int = 0
@@ -88,295 +71,9 @@ def valid_tool_call_rate(metrics) -> float | None:
     return sum(m.get("valid_tool_calls", 0) for m in metrics) / attempts if attempts else None
 
 
-@dataclass
-class Verdict:
-    correct: bool
-    judge: str  # "offline" or the judge model's name
-    reasoning: str = ""
-    error: str | None = None  # set when the judge failed and the offline matcher decided
-    transient: bool = False  # ... and the failure may pass (a timeout, 429, 5xx, a refused connection)
-
-
-# ----------------------------------------------------------------------------------------------
-# Verdicts
-# ----------------------------------------------------------------------------------------------
-
-def normalize_answer(text: str) -> str:
-    """Lower-case; accents, punctuation and symbols dropped (digit groups like 4,000 or 2.4 joined); no articles."""
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
-    text = re.sub(r"(?<=\d)[.,](?=\d)", "", text)  # 4,000 -> 4000 ; 2.4 -> 24 on both sides alike
-    text = re.sub(r"[^a-z0-9]+", " ", text)  # "$2.4 million" and "2.4 million" normalise alike
-    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
-
-
-def is_i_dont_know(answer: str) -> bool:
-    return normalize_answer(answer) in ("i don t know", "i dont know", "i do not know")
-
-
-# Named from the dates the agent is shown (an email's ISO date gives its weekday), so never held against it.
-CALENDAR_WORDS = set("""monday tuesday wednesday thursday friday saturday sunday mon tue tues wed thu thur thurs fri
-sat sun january february march april may june july august september october november december jan feb mar apr
-jun jul aug sep sept oct nov dec""".split())
-
-
-def ungrounded_terms(answer: str, messages: list[dict]) -> list[str]:
-    """The names and numbers of `answer` (its words that start with a capital or hold a digit) that appear, as
-    whole words, in nothing the agent was shown: the user's messages (the question) and the tools' results.
-
-    An empty list: the answer is grounded. A small model that misreads or invents a code, a room or a figure
-    ("FXQ7R" for "2FXQ7R") names something no email holds; a right answer copies or restates what it read.
-    Messages that start with "Error:" do not count (a tool's error repeats what the agent sent, the nudge after
-    a reply without a tool call quotes the agent), nor do weekday and month names. Words compare case- and
-    accent-insensitively, and JSON tool replies by their string values, so an escape like \\n never glues two
-    words into one.
-    """
-    seen = set(CALENDAR_WORDS)
-    for message in messages:
-        content = message.get("content")
-        if message.get("role") in ("user", "tool") and isinstance(content, str) and not content.startswith("Error:"):
-            seen.update(_fold(word) for text in _strings(_json_or_text(content)) for word in re.findall(r"\w+", text))
-    terms = [w for w in re.findall(r"\w+", answer) if w[:1].isupper() or any(c.isdigit() for c in w)]
-    return list(dict.fromkeys(w for w in terms if _fold(w) not in seen))
-
-
-def _fold(word: str) -> str:
-    return unicodedata.normalize("NFKD", word).encode("ascii", "ignore").decode().lower()
-
-
-def _json_or_text(content: str):
-    try:
-        return json.loads(content)
-    except ValueError:
-        return content
-
-
-def _strings(value):
-    """Every string (and number, as text) inside a JSON value."""
-    if isinstance(value, dict):
-        for item in value.values():
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
-    elif value is not None:
-        yield str(value)
-
-
-def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
-    """Correct when the normalised gold answer appears, as whole words, in a reasonably short answer.
-
-    Closing words of the gold answer that only restate the question may be left out ("How many FTEs were
-    approved?" is answered by "21" as well as by the gold "21 FTEs"), as a judge would allow. Not when the
-    question offers a choice ("morning or afternoon?" "Friday morning"): the restated word is then the answer;
-    nor opening words ("Jeff approved it"); and a gold answer made only of the question's words must appear
-    whole. The length cap stops an agent from being right by pasting a whole email as its answer.
-    """
-    got, want = normalize_answer(answer), normalize_answer(gold)
-    if not want or is_i_dont_know(answer):
-        return Verdict(False, "offline", "empty gold answer" if not want else "answered I don't know")
-    asked, words = normalize_answer(question).split(), want.split()
-    core = words
-    if "or" not in asked:
-        while core and core[-1] in asked:
-            core = core[:-1]
-    forms = [want] + ([" ".join(core)] if core and len(core) < len(words) else [])
-    found = next((form for form in forms if f" {form} " in f" {got} "), None)
-    if found is None and not same_words(got, want):
-        return Verdict(False, "offline", "gold answer not in the answer")
-    if len(got) > max(3 * len(found or want), len(found or want) + 60):
-        return Verdict(False, "offline", "gold answer buried in an over-long answer")
-    if found is None:
-        return Verdict(True, "offline", "every word of the gold answer in the answer, in another order or with "
-                                        "words between them")
-    return Verdict(True, "offline", "gold answer found in the answer" if found == want
-                   else f"gold answer found in the answer, less the question's own words ({found!r})")
-
-
-def same_words(got: str, want: str) -> bool:
-    """Real answers reword: "Brad Holmes and Everett Plante" for "Everett Plante and Brad Holmes", "December 20,
-    2001 at 11:00 a.m." for "December 20, 2001, 11:00 a.m.". Every word of a gold answer of two words or more
-    in the (normalised) answer, and no number the gold answer lacks ("Boardroom 3 or 7" does not answer
-    "Boardroom 7")."""
-    wanted, given = want.split(), got.split()
-    numbers = {w for w in wanted if any(c.isdigit() for c in w)}
-    return len(wanted) >= 2 and set(wanted) <= set(given) and \
-        all(w in numbers for w in given if any(c.isdigit() for c in w))
-
-
-JUDGE_PROMPT = """You grade answers to questions about a person's email inbox.
-Decide whether the AI's answer gives the same key facts as the reference answer. Extra detail is fine;
-a missing, different or contradicting key fact (a name, number, date, place) is not. "I don't know" is
-never correct.
-Reply with JSON only: {"reasoning": "<one sentence>", "accept": true|false}"""
-
-
-@dataclass
-class LLMJudge:
-    """An LLM that decides whether an answer matches the gold answer, through litellm.
-
-    `model` is a litellm name (e.g. "openai/gpt-4.1-mini", "hosted_vllm/qwen" with api_base). Verdicts are
-    cached in memory and, with cache_path, on disk, so re-judging the same answer costs nothing.
-    """
-
-    model: str
-    api_base: str | None = None
-    api_key: str | None = field(default=None, repr=False)  # never shown
-    retries: int = 3
-    timeout: float = 60.0
-    cache_path: Path | None = None
-    _cache: dict = field(default_factory=dict, repr=False)
-
-    def __post_init__(self):
-        if self.cache_path and Path(self.cache_path).exists():
-            text = Path(self.cache_path).read_text()
-            if text and not text.endswith("\n"):  # a line a killed run cut off: gone, or the next verdict joins it
-                with open(self.cache_path, "r+") as f:
-                    f.truncate(len(text[:text.rfind("\n") + 1].encode()))
-            for line in text.splitlines():
-                try:
-                    row = json.loads(line)
-                    self._cache[row["key"]] = Verdict(**row["verdict"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a torn line from an interrupted run
-
-    def litellm_params(self) -> dict:
-        return endpoint_params(self.api_base, self.api_key, self.timeout)
-
-    async def verdict(self, question: str, gold: str, answer: str) -> Verdict:
-        if is_i_dont_know(answer):
-            return Verdict(False, self.model, "answered I don't know")
-        key = hashlib.sha256(json.dumps([self.model, question, gold, answer]).encode()).hexdigest()
-        if key in self._cache:
-            return self._cache[key]
-        try:
-            verdict = await self._ask(question, gold, answer)
-        except JudgeFailed as exc:  # recorded on the verdict, never raised: one bad call must not end a run
-            fallback = offline_verdict(answer, gold, question)
-            return Verdict(fallback.correct, "offline", fallback.reasoning, error=str(exc), transient=exc.transient)
-        self._cache[key] = verdict
-        if self.cache_path:
-            with open(self.cache_path, "a") as f:
-                f.write(json.dumps({"key": key, "verdict": asdict(verdict)}) + "\n")
-        return verdict
-
-
-    async def probe(self) -> None:
-        """One uncached verdict before any real work. A judge that cannot run (no key, an unknown model, a dead
-        --judge-base-url) would otherwise grade every answer offline, each after its retries, and the summary
-        would look like a judge's; raises DataError instead."""
-        try:
-            await self._ask(*JUDGE_PROBE)
-        except JudgeFailed as exc:
-            raise DataError(f"{exc}; check --judge-model, --judge-base-url and the judge's API key "
-                            "(JUDGE_API_KEY, or the provider's own variable such as OPENAI_API_KEY)") from None
-
-    async def _ask(self, question: str, gold: str, answer: str) -> Verdict:
-        # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and offline grading never calls it
-        import litellm
-
-        litellm.suppress_debug_info = True  # failures are reported by the caller, not printed as banners
-        messages = [{"role": "system", "content": JUDGE_PROMPT},
-                    {"role": "user", "content": judge_request(question, gold, answer)}]
-        retrying = tenacity.AsyncRetrying(stop=tenacity.stop_after_attempt(self.retries), reraise=True,
-                                          wait=tenacity.wait_exponential(multiplier=0.5, max=10),
-                                          retry=tenacity.retry_if_exception(is_transient))
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    response = await litellm.acompletion(model=self.model, messages=messages, temperature=0,
-                                                         max_tokens=300, num_retries=0, max_retries=0,
-                                                         **self.litellm_params())
-                    return parse_judge_reply(response.choices[0].message.content or "", self.model)
-        except Exception as exc:  # after retries, or at once when retrying cannot help
-            tries = retrying.statistics.get("attempt_number", 1)
-            raise JudgeFailed(f"judge {self.model} failed after {tries} {'try' if tries == 1 else 'tries'} "
-                              f"({type(exc).__name__}: {redact(str(exc)[:200])})", may_pass(exc)) from exc
-
-
-JUDGE_PROBE = ("What is the meeting room?", "Room 4B", "It is in room 4B.")  # question, gold, answer
-
-
-def judge_request(question: str, gold: str, answer: str) -> str:
-    return f"Question: {question}\nReference answer: {gold}\nAI answer: {answer}"
-
-
-class JudgeFailed(Exception):
-    """The judge gave no usable verdict (its message is safe to show: secrets redacted). `transient`: the
-    failure may pass if one waits (`may_pass`)."""
-
-    def __init__(self, message: str, transient: bool):
-        super().__init__(message)
-        self.transient = transient
-
-
-def is_transient(error: BaseException) -> bool:
-    """Worth another try: rate limits, timeouts, server and connection errors, and a malformed reply.
-    A bad request, a wrong key or an unknown model (4xx) fails the same way every time."""
-    if isinstance(error, ValueError):  # parse_judge_reply: the judge may answer properly next time
-        return True
-    status = getattr(error, "status_code", None)
-    return isinstance(status, int) and (status in (408, 409, 429) or status >= 500)
-
-
-def may_pass(error: BaseException) -> bool:
-    """A judge failure that waiting may cure: a transient one, but not a reply that does not parse (retried
-    already: that judge answers in another format, every time)."""
-    return is_transient(error) and not isinstance(error, ValueError)
-
-
-def parse_judge_reply(text: str, judge: str) -> Verdict:
-    """The judge's JSON reply -> Verdict (ValueError if it has no usable verdict, so the call is retried)."""
-    match = re.search(r"\{.*\}", text, re.S)
-    if match is None:
-        raise ValueError(f"judge reply has no JSON: {text[:80]!r}")
-    reply = json.loads(match.group(0))
-    if not isinstance(reply.get("accept"), bool):
-        raise ValueError(f"judge reply has no boolean 'accept': {text[:80]!r}")
-    return Verdict(reply["accept"], judge, str(reply.get("reasoning", ""))[:500])
-
-
-def endpoint_params(api_base: str | None, api_key: str | None, timeout: float | None = None) -> dict:
-    """litellm's arguments for a judge endpoint. A local OpenAI-compatible judge often needs no key, but the
-    client refuses to send none."""
-    params = {"api_base": api_base, "api_key": api_key or ("none" if api_base else None), "timeout": timeout}
-    return {k: v for k, v in params.items() if v is not None}
-
-
-def ruler_params(judge: LLMJudge | None, judge_base_url: str | None) -> dict:
-    """Where RULER's requests go: the judge's endpoint, else --judge-base-url / JUDGE_API_BASE (RULER needs
-    no --judge-model of its own, only --ruler-model)."""
-    if judge:
-        return judge.litellm_params()
-    return endpoint_params(judge_base_url or os.environ.get("JUDGE_API_BASE"), os.environ.get("JUDGE_API_KEY"))
-
-
-def configure(mode: str | None, judge_model: str | None, judge_base_url: str | None,
-              cache_dir: str | Path) -> tuple[str, LLMJudge | None]:
-    """The reward mode and judge from flags or JUDGE_MODEL / JUDGE_API_BASE / JUDGE_API_KEY.
-
-    Without a judge the mode defaults to offline, and says so loudly; judge/shaped without one is an error.
-    """
-    judge_model = judge_model or os.environ.get("JUDGE_MODEL")
-    judge = None
-    if judge_model:
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        judge = LLMJudge(judge_model, api_base=judge_base_url or os.environ.get("JUDGE_API_BASE"),
-                         api_key=os.environ.get("JUDGE_API_KEY"), cache_path=Path(cache_dir) / "judge_cache.jsonl")
-    mode = mode or ("shaped" if judge else "offline")
-    if mode not in REWARD_MODES:
-        raise DataError(f"--reward must be one of {', '.join(REWARD_MODES)}, not {mode!r}")
-    if mode in ("judge", "shaped") and judge is None:
-        raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), "
-                        "or use --reward offline.")
-    if judge is None and mode != "ruler":  # RULER's reward needs no answer judge (`describe` says what is used)
-        log.warning("no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
-                    "(pass --judge-model for an LLM judge).")
-    return mode, judge
-
-
-def describe(mode: str, judge: LLMJudge | None, ruler_model: str = "", ruler_base_url: str | None = None,
+def describe(mode: str, judge, ruler_model: str = "", ruler_base_url: str | None = None,
              hallucination_penalty: float = 1.0) -> str:
-    """The reward in use, in one line for the start of a run."""
+    """The reward in use, in one line for the start of a run (`judge`: a `grading.LLMJudge`, or None)."""
     def where(base_url: str | None) -> str:
         return f" at {base_url}" if base_url else ""
 
@@ -439,57 +136,37 @@ def reward(mode: str, r: Rubric, max_turns: int, num_sources: int, hallucination
     return shaped_reward(r, max_turns, num_sources, hallucination_penalty)
 
 
-async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None = None, attempts: int = 2):
-    """RULER over one group (for `gather_trajectory_groups(after_each=...)`), with the scores checked.
+# ----------------------------------------------------------------------------------------------
+# RULER's scores as a group's rewards (its judge is asked by `grading.ruler_group`)
+# ----------------------------------------------------------------------------------------------
 
-    ART 0.5.18's `ruler_score_group` pairs the judge's scores with trajectories by position, so a judge that
-    reorders or drops entries gives rewards to the wrong rollouts without a word. Here the scores are
-    re-keyed by the trajectory ids the judge returns, and a reply that fails (an API error, no or
-    incomplete scores, unknown ids) is retried; after `attempts` tries the group is kept but marked
-    (metrics ruler_error=1, metadata ruler_error=message) with equal rewards of 0, so GRPO trains nothing on
-    it and the train loop counts it as a judge error instead of a silent 0.
-    """
-    # here, not at the top: ART imports torch and transformers (seconds); only --reward ruler gets here
-    import litellm
-    from art.rewards.ruler import ruler
-
-    litellm.suppress_debug_info = True  # failures are recorded on the trajectories, not printed as banners
-    trajectories = group.trajectories
-    if not trajectories:
-        return group
-    for t in trajectories:  # a group RULER failed on before (the train loop tries again): its own rewards back
-        if "independent_reward" in t.metrics:
-            t.reward = t.metrics["independent_reward"]
-    expected = [str(i) for i in range(1, len(trajectories) + 1)]  # the ids RULER's prompt gives them
-    error, transient = "", False
-    for _ in range(attempts):
-        try:
-            scores = await ruler([t.messages() for t in trajectories], judge_model,
-                                 extra_litellm_params=extra_litellm_params, tools=trajectories[0].tools)
-            by_id = {_trajectory_id(s.trajectory_id): s for s in scores}
-            if set(by_id) != set(expected) or len(scores) != len(expected):
-                raise ValueError(f"judge scored trajectories {[s.trajectory_id for s in scores]}, "
-                                 f"not each of {expected} once")
-            break
-        except Exception as exc:  # network, malformed or incomplete reply: retried, then recorded
-            error = f"RULER judge {judge_model}: {type(exc).__name__}: {redact(str(exc)[:200])}"
-            transient = may_pass(exc)
-    else:
-        for t in trajectories:
-            t.metrics.update({"independent_reward": t.reward, RULER_ERROR: 1})
-            t.metadata.update({RULER_ERROR: error, JUDGE_TRANSIENT: transient})
-            t.reward = 0.0
-        return group
-    for key, t in zip(expected, trajectories):
+def ruler_rewards(trajectories, scores) -> None:
+    """RULER's scores (one per trajectory, in order) as the group's rewards. Each trajectory's own reward stays
+    in its metrics (`independent_reward`), and comes back if the group is scored again."""
+    for t, score in zip(trajectories, scores):
+        own = t.metrics.get("independent_reward", t.reward)
         t.metadata.pop(RULER_ERROR, None)
         t.metadata.pop(JUDGE_TRANSIENT, None)
-        t.metrics.update({"independent_reward": t.reward, "ruler_score": by_id[key].score, RULER_ERROR: 0})
-        t.reward = by_id[key].score
-        t.log(f"RULER explanation: {by_id[key].explanation}")
-    return group
+        t.metrics.update({"independent_reward": own, "ruler_score": score.score, RULER_ERROR: 0})
+        t.reward = score.score
+        t.log(f"RULER explanation: {score.explanation}")
 
 
-def _trajectory_id(text: str) -> str:
-    """RULER's id as the judge wrote it ("2", "trajectory 2", "#2") -> "2"."""
-    digits = re.findall(r"\d+", str(text))
-    return digits[0] if len(digits) == 1 else str(text)
+def ruler_failed(trajectories, error: str, transient: bool) -> None:
+    """A group RULER could not score: kept, but marked (metrics ruler_error=1, metadata ruler_error=`error`) with
+    equal rewards of 0, so GRPO trains nothing on it and the train loop counts it as a judge error."""
+    for t in trajectories:
+        own = t.metrics.get("independent_reward", t.reward)
+        t.metrics.update({"independent_reward": own, RULER_ERROR: 1})
+        t.metadata.update({RULER_ERROR: error, JUDGE_TRANSIENT: transient})
+        t.reward = 0.0
+
+
+def __getattr__(name: str):
+    """The judge's names that moved to `grading`, still reachable here for the training loop's imports until it
+    takes them from `grading` (imported on use: `grading` imports this module)."""
+    if name in ("configure", "ruler_params"):
+        from email_agent.agent import grading
+
+        return getattr(grading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,11 @@
 """The agent's tools: what the model may call, their OpenAI schemas, and argument checking.
 
 Owns: `Inbox` (one address's mail as of one day: the environment binds both, the model chooses neither),
-the `search_inbox` / `read_email` / `return_final_answer` schemas, and `call_tool`, which turns any tool
-call a model can emit (unknown name, non-JSON arguments, wrong or extra keys, wrong types) into either a
-result or a one-sentence error the model can recover from. It never raises for model input. It knows
-nothing about rewards or training.
+the `search_inbox` / `read_email` / `return_final_answer` schemas, and all dispatch of tool calls:
+`call_tools` runs a turn's calls (the first; any more are refused), `call_tool` one call, turning anything a
+model can emit (unknown name, non-JSON arguments, wrong or extra keys, wrong types) into either a result or a
+one-sentence error the model can recover from. It never raises for model input. It knows nothing about
+rewards or training; the rollout records what each call did.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class ToolOutcome:
 
     name: str
     content: str  # what the model is shown as the tool result
-    error: str | None = None  # "bad_tool_name" | "bad_tool_args"
+    error: str | None = None  # "bad_tool_name" | "bad_tool_args" | "extra_tool_call"
     arguments: dict | None = None  # parsed arguments of a good call
     result: object = None  # search results (list) or the email (dict or None) of a good call
 
@@ -145,15 +146,30 @@ def _example(name: str) -> str:
             "return_final_answer": '{"answer": "...", "sources": ["<message_id>"]}'}[name]
 
 
+# What the model is told when it replies without a tool call, or makes more than one in a turn.
+NO_TOOL_CALL = "Error: reply with a tool call (search_inbox, read_email or return_final_answer), not plain text."
+EXTRA_TOOL_CALL = "Error: only the first tool call of a turn is run; make one call per turn."
+
+
+def call_tools(inbox: Inbox, calls: list) -> list[ToolOutcome]:
+    """A turn's tool calls (a reply's `tool_calls`), one outcome each: the first is run, any more are refused
+    (one action per turn keeps episodes comparable; the model is told why)."""
+    return [call_tool(inbox, call.function.name, call.function.arguments) if index == 0 else
+            ToolOutcome(call.function.name, EXTRA_TOOL_CALL, "extra_tool_call") for index, call in enumerate(calls)]
+
+
 def call_tool(inbox: Inbox, name: str, raw_arguments: str | dict | None) -> ToolOutcome:
-    """Run search_inbox or read_email as the model asked (return_final_answer is the rollout's to handle)."""
-    if name not in ("search_inbox", "read_email"):
+    """Run one tool as the model asked. return_final_answer only checks its arguments: the answer is in the
+    outcome's `arguments`, and the episode ends."""
+    if name not in _PARAMS:
         known = "search_inbox, read_email, return_final_answer"
         return ToolOutcome(name, f"Error: there is no tool {name!r}; the tools are {known}.", "bad_tool_name")
     try:
         args = parse_arguments(name, raw_arguments)
     except ValueError as exc:
         return ToolOutcome(name, f"Error: {exc}.", "bad_tool_args")
+    if name == "return_final_answer":
+        return ToolOutcome(name, "Answer recorded.", None, args)
     if name == "search_inbox":
         results = inbox.search_inbox(**args)
         if not results:

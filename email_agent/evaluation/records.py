@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 from tqdm import tqdm
 
-from email_agent.agent import rewards
+from email_agent.agent import grading
 from email_agent.agent.episode import Episode
-from email_agent.agent.rewards import Rubric
 from email_agent.data.questions import Question
 from email_agent.errors import DataError
 from email_agent.evaluation.scores import read_results
@@ -28,7 +28,7 @@ def scoring_episode(reward: str | None, judge_model: str | None, judge_base_url:
                     grounded_answers: bool = False) -> Episode:
     """An Episode carrying how answers are graded and whether ungrounded ones are withheld (each contestant
     plays it in its own shape: `Contestant.episode`)."""
-    mode, judge = rewards.configure(reward, judge_model, judge_base_url, art_dir)
+    mode, judge = grading.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"
     return Episode(reward=mode, judge=judge, grounded_answers=grounded_answers)
@@ -55,7 +55,7 @@ def make_record(contestant, question: Question, traj, episode: Episode) -> dict:
     verdict = None
     if meta.get("answer") is not None:
         verdict = {"correct": bool(m["answer_correct"]), "judge": meta.get("verdict_judge"),
-                   "reasoning": meta.get(rewards.VERDICT_REASONING), "error": meta.get(rewards.VERDICT_ERROR)}
+                   "reasoning": meta.get(grading.VERDICT_REASONING), "error": meta.get(grading.VERDICT_ERROR)}
     return {"model": contestant.label, "question_id": question.id, "question": question.question,
             "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
@@ -96,23 +96,15 @@ async def rejudge_record(record: dict, episode: Episode) -> dict:
     """Re-score a stored record with another judge: the agent's answer stays, the verdict and reward change.
     An answer the grounding check withheld is judged as the agent gave it, and withheld again only if `episode`
     asks for the check (so `--rejudge DIR --grounded-answers` applies it to an evaluation made without)."""
-    # here, not at the top: rollout imports ART (torch, seconds), and --help loads this module
-    from email_agent.agent.rollout import grade, withhold_ungrounded
-
-    fields = Rubric.__dataclass_fields__
-    rubric = Rubric(**{k: v for k, v in record["metrics"].items() if k in fields})
-    rubric.answer_correct = rubric.hallucinated = rubric.judge_error = rubric.attempted_answer = 0
-    rubric.returned_i_dont_know = rubric.sources_correct = rubric.withheld_answer = rubric.withheld_right = 0
     question = Question(record["question_id"], record["question"], record["gold_answer"], record["gold_message_ids"],
                         None, record["inbox"], record["query_date"], "")
-    given = record.get("withheld") or record
-    answer, sources, withheld = withhold_ungrounded(given["answer"], given["sources"], record["messages"], episode)
-    verdict = await grade(rubric, question, answer, sources, episode, withheld)
-    max_turns = record.get("max_turns", episode.max_turns)
-    new = dict(record, answer=answer, sources=sources, withheld=withheld, grounded_answers=episode.grounded_answers,
-               metrics={**record["metrics"], **{k: getattr(rubric, k) for k in fields}},
-               reward=rewards.reward(episode.reward, rubric, max_turns, len(sources)),
-               reward_mode=episode.reward)
+    rubric, graded = await grading.regrade(record["metrics"], question, record["answer"], record["sources"],
+                                           record.get("withheld"), record["messages"], episode,
+                                           record.get("max_turns", episode.max_turns))
+    verdict = graded.verdict
+    new = dict(record, answer=graded.answer, sources=graded.sources, withheld=graded.withheld,
+               grounded_answers=episode.grounded_answers, metrics={**record["metrics"], **asdict(rubric)},
+               reward=graded.reward, reward_mode=episode.reward)
     new["verdict"] = None if verdict is None else {"correct": verdict.correct, "judge": verdict.judge,
                                                    "reasoning": verdict.reasoning, "error": verdict.error}
     return new

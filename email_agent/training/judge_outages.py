@@ -7,7 +7,7 @@ growing waits, for up to `--judge-patience` seconds. Then, if more than half of 
 unjudged, the run stops before it trains: no checkpoint is written and no question of the step is used up,
 so running the same command again resumes at that step. A failure waiting cannot cure (a wrong key, an
 unknown model: HTTP 400/401/403/404, a reply that never parses) stops at once. A step with a few unjudged
-groups trains on the others. It owns no judging itself: `rewards` asks the judge, `loop.judge` asks again.
+groups trains on the others. It owns no judging itself: `grading` asks the judge, `loop.judge` asks again.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Awaitable, Callable
 from art import TrajectoryGroup
 
 from email_agent.errors import DataError
-from email_agent.agent.rewards import JUDGE_TRANSIENT, RULER_ERROR, VERDICT_ERROR, VERDICT_TRANSIENT
+from email_agent.agent.grading import VERDICT_ERROR, VERDICT_TRANSIENT
+from email_agent.agent.rewards import JUDGE_TRANSIENT, RULER_ERROR
 
 FIRST_WAIT_S = 5.0  # then doubled after each try, up to MAX_WAIT_S
 MAX_WAIT_S = 60.0

@@ -26,8 +26,8 @@ from dataclasses import replace
 import art
 
 from email_agent import backends, cli, runs
-from email_agent.agent import rewards
-from email_agent.agent.rollout import Policy, regrade, rollout
+from email_agent.agent import grading, rewards
+from email_agent.agent.rollout import Policy, rollout
 from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines, run_dir, saved_config
 from email_agent.data.questions import Question
 from email_agent.errors import DataError
@@ -158,7 +158,9 @@ async def judge(plan: Plan, groups: list[art.TrajectoryGroup], step: int) -> lis
     by_id = {q.id: q for q in plan.rl_questions}
 
     async def rejudge(group):  # a group the judge failed on, judged again
-        return await (ruler(plan, group) if plan.episode.reward == "ruler" else regrade(group, by_id, plan.episode))
+        if plan.episode.reward == "ruler":
+            return await ruler(plan, group)
+        return await grading.regrade_judge_failures(group, by_id, plan.episode)
 
     return await judge_outages.settle(groups, rejudge, reward_mode=plan.episode.reward,
                                       patience=plan.config.judge_patience,
@@ -167,7 +169,7 @@ async def judge(plan: Plan, groups: list[art.TrajectoryGroup], step: int) -> lis
 
 
 def ruler(plan: Plan, group: art.TrajectoryGroup):
-    return rewards.ruler_group(group, plan.ruler_model, plan.ruler_params)
+    return grading.ruler_group(group, plan.ruler_model, plan.ruler_params)
 
 
 def say_whether_it_can_learn(plan: Plan, health: step_health.Health, warm_start_pending: bool

@@ -16,7 +16,8 @@ from art.trajectories import TrajectoryGroup
 from openai.types.chat.chat_completion import Choice
 
 from email_agent.training import training_data
-from email_agent.agent.rewards import RULER_ERROR, VERDICT_ERROR, valid_tool_call_rate
+from email_agent.agent.grading import VERDICT_ERROR
+from email_agent.agent.rewards import RULER_ERROR, valid_tool_call_rate
 
 # A run below these lines learns nothing or little; warnings below `WARN_*` are printed but do not fail.
 MIN_TRAINABLE_SHARE = 0.25  # share of groups with reward variance
