@@ -72,7 +72,7 @@ async def ask(spec: str, question: Question, db: EmailDB, options: players.Optio
               grounded_answers: bool = False) -> Answer:
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
     it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
-    see `rollout.withhold_ungrounded`."""
+    see `grading.withhold_ungrounded`."""
     async with contextlib.AsyncExitStack() as stack:
         contestant = await players.open_contestant(spec, Servers(options, stack))
         await players.probe(contestant)
