@@ -70,9 +70,9 @@ def qwen_vllm(tmp_path_factory):
     """One vLLM server of Qwen2.5 for the run and the evaluation (each would start its own: minutes on 2 cores)."""
     from transformers import AutoTokenizer
 
+    from email_agent.backends import cpu_served_name
     from email_agent.backends.cpu.model import served_model_dir
     from email_agent.backends.vllm_server import VLLMServer
-    from email_agent.evaluation.players import cpu_served_name
 
     folder = served_model_dir("qwen2.5-0.5b")  # the float32 conversion: made by the first use (minutes), then kept
     template = AutoTokenizer.from_pretrained(folder).chat_template
