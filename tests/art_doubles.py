@@ -22,10 +22,10 @@ from art.utils.get_model_step import get_step_from_dir
 from art.utils.output_dirs import get_model_dir, get_step_checkpoint_dir
 
 from email_agent import backends
-from email_agent.backends import art_backends as gpu_checks
+from email_agent.backends import readiness
 from scripted_server import serve_in_thread
 
-gpu_checks.allow_art_without_megatron()  # as make_backend does: ART 0.5.18's get_model_config imports megatron
+readiness.allow_art_without_megatron()  # as make_backend does: ART 0.5.18's get_model_config imports megatron
 from art.dev.get_model_config import get_model_config
 
 
@@ -101,7 +101,7 @@ class LocalBackendOnCPU(LocalBackend):
 
 
 @contextlib.contextmanager
-def on_a_gpu_machine(monkeypatch, scripts, tokenizer=None, gpu=gpu_checks.GPU("stand-in", 23.6, 23.0)):
+def on_a_gpu_machine(monkeypatch, scripts, tokenizer=None, gpu=readiness.GPU("stand-in", 23.6, 23.0)):
     """The world `train`, evaluation and `ask` see on a machine with a 24 GB CUDA GPU and ART's GPU extra:
     `--backend local` builds a `LocalBackendOnCPU` whose "vLLM" is a scripted server (with `tokenizer`, one that
     renders and samples as vLLM does). Yields (backends made, server, W&B runs ART would have started); the
@@ -112,8 +112,8 @@ def on_a_gpu_machine(monkeypatch, scripts, tokenizer=None, gpu=gpu_checks.GPU("s
         LocalBackendOnCPU.base_url = server.base_url
         monkeypatch.setattr(art.local, "LocalBackend", LocalBackendOnCPU)
         monkeypatch.setattr(backends, "cuda_available", lambda: True)
-        monkeypatch.setattr(gpu_checks, "find_gpu", lambda: gpu)
-        monkeypatch.setattr(gpu_checks, "installed", lambda module: True)  # unsloth, trl, wandb: the GPU extra
+        monkeypatch.setattr(readiness, "find_gpu", lambda: gpu)
+        monkeypatch.setattr(readiness, "installed", lambda module: True)  # unsloth, trl, wandb: the GPU extra
         monkeypatch.setenv("ART_VLLM_RUNTIME_BIN", "stand-in")  # a built vLLM runtime, so no uv needed
         # ART starts a W&B run (import wandb, wandb.init) whenever WANDB_API_KEY is set: recorded, not made
         monkeypatch.setattr(art.Model, "_get_wandb_run",

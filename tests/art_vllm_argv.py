@@ -20,11 +20,11 @@ sys.path[:0] = [str(ROOT), sys.argv[1]]
 
 import email_agent  # noqa: F401  (offline environment defaults)
 from email_agent import backends
-from email_agent.backends import art_backends as gpu_checks
+from email_agent.backends import readiness
 
 import train_email_search_agent as cli
 
-gpu_checks.allow_art_without_megatron()
+readiness.allow_art_without_megatron()
 import art.unsloth.service as service_module
 from art.dev.get_model_config import get_model_config
 

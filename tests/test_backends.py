@@ -14,11 +14,11 @@ import pytest
 
 from conftest import ROOT
 from email_agent import backends
-from email_agent.backends import art_backends as gpu_checks
+from email_agent.backends import readiness
 
 import train_email_search_agent as cli
 
-CARD_24 = gpu_checks.GPU("a 24 GB card", 23.6, 23.2)
+CARD_24 = readiness.GPU("a 24 GB card", 23.6, 23.2)
 
 
 def config(**overrides) -> cli.TrainConfig:
@@ -31,60 +31,60 @@ def config(**overrides) -> cli.TrainConfig:
 def gpu_extra(monkeypatch):
     """unsloth, trl and wandb importable, uv on PATH: what `pip install -r requirements-gpu.txt` brings; and a
     machine a first start has run on (ART's vLLM runtime built, the weights cached)."""
-    monkeypatch.setattr(gpu_checks, "installed", lambda module: True)
-    monkeypatch.setattr(gpu_checks.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
-    monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: "/opt/art-runtime/bin/serve")
-    monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: True)
+    monkeypatch.setattr(readiness, "installed", lambda module: True)
+    monkeypatch.setattr(readiness.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(readiness, "built_vllm_runtime", lambda environ: "/opt/art-runtime/bin/serve")
+    monkeypatch.setattr(readiness, "cached_repo", lambda repo: True)
 
 
 def test_every_missing_local_prerequisite_is_one_sentence_with_its_fix(monkeypatch, tmp_path):
-    monkeypatch.setattr(gpu_checks, "installed", lambda module: False)
-    monkeypatch.setattr(gpu_checks.shutil, "which", lambda name, path=None: None)
-    monkeypatch.setattr(gpu_checks.sys, "executable", str(tmp_path / "bin" / "python"))
-    ready = gpu_checks.readiness("local", config(), None, environ={})
+    monkeypatch.setattr(readiness, "installed", lambda module: False)
+    monkeypatch.setattr(readiness.shutil, "which", lambda name, path=None: None)
+    monkeypatch.setattr(readiness.sys, "executable", str(tmp_path / "bin" / "python"))
+    ready = readiness.check("local", config(), None, environ={})
     assert not ready.ok
     missing = "\n".join(ready.missing)
-    assert f"uv: ART builds its vLLM runtime with it at the first start: pip install {gpu_checks.UV_PIN}" in missing
+    assert f"uv: ART builds its vLLM runtime with it at the first start: pip install {readiness.UV_PIN}" in missing
     assert f"wandb: ART 0.5.18 imports it at every training step of this backend, W&B or not: pip install " \
-           f"{gpu_checks.WANDB_PIN}" in missing
+           f"{readiness.WANDB_PIN}" in missing
     assert "pip install -r requirements-gpu.txt" in missing
     assert "a CUDA GPU: torch sees none here; use --backend cpu" in missing
     # a built vLLM runtime needs no uv
-    assert not any(m.startswith("uv") for m in gpu_checks.readiness(
+    assert not any(m.startswith("uv") for m in readiness.check(
         "local", config(), None, environ={"ART_VLLM_RUNTIME_BIN": "/opt/vllm/bin/serve"}).missing)
     # uv installed in the venv that runs this, not activated: found, and put on PATH for ART, which runs "uv"
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "uv").write_text("")
-    assert not any(m.startswith("uv") for m in gpu_checks.readiness("local", config(), None, environ={}).missing)
+    assert not any(m.startswith("uv") for m in readiness.check("local", config(), None, environ={}).missing)
     environ = {"PATH": "/usr/bin"}
-    gpu_checks.put_venv_uv_on_path(environ)
+    readiness.put_venv_uv_on_path(environ)
     assert environ["PATH"] == f"{tmp_path / 'bin'}:/usr/bin"
 
 
 def test_the_default_7b_fits_a_24_gb_card_at_the_default_share_and_not_at_the_old_readme_setting(gpu_extra):
-    ready = gpu_checks.readiness("local", config(), CARD_24, environ={})
+    ready = readiness.check("local", config(), CARD_24, environ={})
     assert ready.ok, ready.missing
     assert any("vLLM needs 14.2 GiB of bf16 weights" in line for line in ready.lines)
     # the README's 24 GB row said --gpu-memory-utilization 0.6: 14.2 GiB of vLLM's share for 14.2 GiB of weights
-    ready = gpu_checks.readiness("local", config(gpu_memory_utilization=0.6), CARD_24, environ={})
+    ready = readiness.check("local", config(gpu_memory_utilization=0.6), CARD_24, environ={})
     (missing,) = [m for m in ready.missing if m.startswith("GPU memory")]
     assert missing.startswith("GPU memory for vLLM: 17.4 GiB needed, 14.2 GiB given; use --gpu-memory-utilization")
     # a model no share of the card holds: a smaller one is named
-    missing = gpu_checks.readiness("local", config(base_model="Qwen/Qwen2.5-32B-Instruct"), CARD_24, {}).missing
+    missing = readiness.check("local", config(base_model="Qwen/Qwen2.5-32B-Instruct"), CARD_24, {}).missing
     assert "use a smaller model (--base-model Qwen/Qwen2.5-7B-Instruct)" in missing[0]
     # something else on the GPU
-    busy = gpu_checks.GPU("busy", 23.6, 9.0)
+    busy = readiness.GPU("busy", 23.6, 9.0)
     assert any(m.startswith("free GPU memory: 9.0 GiB free")
-               for m in gpu_checks.readiness("local", config(), busy, {}).missing)
+               for m in readiness.check("local", config(), busy, {}).missing)
 
 
 @pytest.mark.parametrize("card, model", [(16, "Qwen/Qwen2.5-1.5B-Instruct"), (24, "Qwen/Qwen2.5-7B-Instruct"),
                                          (40, "Qwen/Qwen2.5-7B-Instruct"), (80, "Qwen/Qwen2.5-14B-Instruct")])
 def test_the_default_local_model_is_the_largest_that_fits_the_card(card, model):
-    gpu = gpu_checks.GPU(f"{card} GB", gpu_checks.CARD_GIB.get(card, card * 0.98), card * 0.95)
+    gpu = readiness.GPU(f"{card} GB", readiness.CARD_GIB.get(card, card * 0.98), card * 0.95)
     assert backends.default_base_model("local", cli.TrainConfig(), gpu) == model
     cfg = config(base_model=model)
-    assert gpu_checks.estimate(gpu_checks.QWEN2_5[model], gpu.total_gib, gpu_memory_utilization=0.8,
+    assert readiness.estimate(readiness.QWEN2_5[model], gpu.total_gib, gpu_memory_utilization=0.8,
                                max_seq_length=8192, enforce_eager=False).fits(gpu.total_gib)
     assert cfg.base_model == model
     # without a GPU (a preflight on a laptop) the run is sized for a 24 GB card
@@ -92,17 +92,17 @@ def test_the_default_local_model_is_the_largest_that_fits_the_card(card, model):
 
 
 def test_remote_backends_default_to_models_they_accept(monkeypatch):
-    monkeypatch.setattr(gpu_checks, "installed", lambda module: True)
-    assert backends.default_base_model("serverless", cli.TrainConfig()) in gpu_checks.SERVERLESS_MODELS
+    monkeypatch.setattr(readiness, "installed", lambda module: True)
+    assert backends.default_base_model("serverless", cli.TrainConfig()) in readiness.SERVERLESS_MODELS
     tinker = backends.default_base_model("tinker", cli.TrainConfig())
-    ready = gpu_checks.readiness("tinker", config(base_model=tinker), None, environ={"TINKER_API_KEY": "k"})
+    ready = readiness.check("tinker", config(base_model=tinker), None, environ={"TINKER_API_KEY": "k"})
     assert ready.ok and "Tinker renders it with qwen3_disable_thinking" in ready.lines  # ART's own lookup
     # ART's Tinker renderers do not know Qwen2.5: ART's register would raise "Unknown base model"
-    ready = gpu_checks.readiness("tinker", config(base_model="Qwen/Qwen2.5-7B-Instruct"), None,
+    ready = readiness.check("tinker", config(base_model="Qwen/Qwen2.5-7B-Instruct"), None,
                                  environ={"TINKER_API_KEY": "k"})
     (missing,) = ready.missing
     assert missing.startswith("a base model Tinker's renderers know: ART 0.5.18 has none for Qwen/Qwen2.5-7B")
-    ready = gpu_checks.readiness("serverless", config(base_model="Qwen/Qwen2.5-7B-Instruct"), None, environ={})
+    ready = readiness.check("serverless", config(base_model="Qwen/Qwen2.5-7B-Instruct"), None, environ={})
     assert ready.missing == ["WANDB_API_KEY: W&B Training authenticates with it; set it in the environment"]
     assert any(line.startswith("warning: Qwen/Qwen2.5-7B-Instruct is not among") for line in ready.lines)
 
@@ -110,16 +110,16 @@ def test_remote_backends_default_to_models_they_accept(monkeypatch):
 def test_remote_backends_need_wandb_installed(monkeypatch):
     """ART 0.5.18's ServerlessBackend.train and LocalBackend.train (which Tinker inherits) run `import wandb`
     at every step, key or not; nothing but the GPU extra installs it."""
-    monkeypatch.setattr(gpu_checks, "installed", lambda module: module != "wandb")
+    monkeypatch.setattr(readiness, "installed", lambda module: module != "wandb")
     for backend in ("serverless", "tinker"):
-        ready = gpu_checks.readiness(backend, config(base_model="Qwen/Qwen3-8B"), None,
+        ready = readiness.check(backend, config(base_model="Qwen/Qwen3-8B"), None,
                                      environ={"WANDB_API_KEY": "k", "TINKER_API_KEY": "k"})
         assert [m for m in ready.missing if m.startswith("wandb:")], backend
 
 
 @pytest.mark.parametrize("rank, served", [(8, 16), (16, 16), (32, 32), (48, 64), (256, 256)])
 def test_vllm_is_started_with_a_lora_rank_that_fits(rank, served):
-    assert gpu_checks.vllm_lora_rank(rank) == served
+    assert readiness.vllm_lora_rank(rank) == served
     settings = backends.internal_config(cli.TrainConfig(lora_rank=rank))
     assert settings["engine_args"]["max_lora_rank"] == served and settings["peft_args"]["r"] == rank
 
@@ -138,16 +138,16 @@ try:
     import art.dev.get_model_config
 except ModuleNotFoundError as exc:
     print("without guard:", exc)
-from email_agent.backends import art_backends
+from email_agent.backends import readiness
 for name in [m for m in sys.modules if m.startswith("art.megatron") or m == "art.dev.get_model_config"]:
     del sys.modules[name]
-art_backends.allow_art_without_megatron()
+readiness.allow_art_without_megatron()
 from art.dev.get_model_config import get_model_config
 print("with guard:", get_model_config("Qwen/Qwen2.5-7B-Instruct", "/tmp/x", None)["peft_args"]["target_modules"])
 """
 
 
-@pytest.mark.skipif(gpu_checks.installed("megatron"), reason="megatron is installed here: ART imports it as it is")
+@pytest.mark.skipif(readiness.installed("megatron"), reason="megatron is installed here: ART imports it as it is")
 def test_art_s_model_config_imports_without_megatron_once_guarded():
     """ART 0.5.18's get_model_config imports megatron.core and megatron.bridge, which its [backend] extra does not
     install: LocalBackend and Tinker could not start. The guard stands in with ART's own dense target modules."""
@@ -158,8 +158,8 @@ def test_art_s_model_config_imports_without_megatron_once_guarded():
     registry = Path(art.__file__).parent / "megatron" / "model_support" / "registry.py"
     dense = next(ast.literal_eval(node.value) for node in ast.parse(registry.read_text()).body
                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_DENSE_TARGET_MODULES")
-    assert list(dense) == gpu_checks.DENSE_TARGET_MODULES
-    assert f"with guard: {gpu_checks.DENSE_TARGET_MODULES}" in probe.stdout
+    assert list(dense) == readiness.DENSE_TARGET_MODULES
+    assert f"with guard: {readiness.DENSE_TARGET_MODULES}" in probe.stdout
 
 
 def test_preflight_of_a_gpu_run_on_a_machine_without_one_says_what_is_missing(demo_db_path, tmp_path, capsys,
@@ -180,7 +180,7 @@ def test_preflight_of_a_gpu_run_on_a_machine_without_one_says_what_is_missing(de
 
 
 def test_the_documented_memory_table_is_the_estimate():
-    assert "\n".join(gpu_checks.sizing_table()) in (ROOT / "docs" / "training.md").read_text()
+    assert "\n".join(readiness.sizing_table()) in (ROOT / "docs" / "training.md").read_text()
 
 
 def test_every_command_of_the_gpu_smoke_run_parses(tmp_path):
@@ -201,48 +201,48 @@ def test_every_command_of_the_gpu_smoke_run_parses(tmp_path):
 
 
 def test_a_max_seq_length_art_s_trainer_cannot_pack_is_refused_in_one_sentence(gpu_extra):
-    missing = gpu_checks.readiness("local", config(max_seq_length=3000), CARD_24, environ={}).missing
+    missing = readiness.check("local", config(max_seq_length=3000), CARD_24, environ={}).missing
     assert missing == ["--max-seq-length a multiple of 2048: ART 0.5.18 packs a step to a multiple of 2048 tokens "
                        "capped at 3000, and its trainer stops on a length 1024 does not divide; use 2048"]
-    assert gpu_checks.readiness("local", config(max_seq_length=4096), CARD_24, environ={}).ok
+    assert readiness.check("local", config(max_seq_length=4096), CARD_24, environ={}).ok
 
 
 def test_the_first_start_s_needs_are_told_before_it(monkeypatch, gpu_extra, tmp_path):
     """No runtime built yet: glibc, Python 3.12 and disk for the runtime; offline, the runtime and both weight
     repositories (the model's and unsloth's 4-bit one) must already be there."""
-    monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: None)
-    monkeypatch.setattr(gpu_checks, "python_312_found", lambda uv: True)
-    monkeypatch.setattr(gpu_checks, "free_gib", lambda path: 500.0)
-    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("glibc", "2.31"))
-    (missing,) = gpu_checks.readiness("local", config(), CARD_24, environ={}).missing
+    monkeypatch.setattr(readiness, "built_vllm_runtime", lambda environ: None)
+    monkeypatch.setattr(readiness, "python_312_found", lambda uv: True)
+    monkeypatch.setattr(readiness, "free_gib", lambda path: 500.0)
+    monkeypatch.setattr(readiness.platform, "libc_ver", lambda: ("glibc", "2.31"))
+    (missing,) = readiness.check("local", config(), CARD_24, environ={}).missing
     assert missing.startswith("glibc 2.34 or newer: ART 0.5.18's vLLM runtime is a manylinux_2_34 wheel and this "
                               "machine has glibc 2.31")
-    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("glibc", "2.35"))
-    ready = gpu_checks.readiness("local", config(), CARD_24, environ={})
+    monkeypatch.setattr(readiness.platform, "libc_ver", lambda: ("glibc", "2.35"))
+    ready = readiness.check("local", config(), CARD_24, environ={})
     assert ready.ok and "vLLM runtime: built at the first start (uv sync, about 3.6 GiB of downloads; Python 3.12 " \
                         "found)" in ready.lines
-    monkeypatch.setattr(gpu_checks, "python_312_found", lambda uv: False)
-    assert any("a managed Python 3.12" in line for line in gpu_checks.readiness("local", config(), CARD_24, {}).lines)
-    monkeypatch.setattr(gpu_checks, "free_gib", lambda path: 4.0)
-    monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: repo.startswith("Qwen/"))
-    missing = gpu_checks.readiness("local", config(), CARD_24, environ={}).missing
+    monkeypatch.setattr(readiness, "python_312_found", lambda uv: False)
+    assert any("a managed Python 3.12" in line for line in readiness.check("local", config(), CARD_24, {}).lines)
+    monkeypatch.setattr(readiness, "free_gib", lambda path: 4.0)
+    monkeypatch.setattr(readiness, "cached_repo", lambda repo: repo.startswith("Qwen/"))
+    missing = readiness.check("local", config(), CARD_24, environ={}).missing
     assert [m.split(":")[0] for m in missing] == ["disk for ART's vLLM runtime", "disk for the weights"]
     assert "unsloth/Qwen2.5-7B-Instruct-unsloth-bnb-4bit take about 5.3 GiB" in missing[1]
-    missing = gpu_checks.readiness("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).missing
+    missing = readiness.check("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).missing
     assert missing[0].startswith("Python 3.12: ART 0.5.18's vLLM runtime needs it and uv may not download one")
     assert missing[1].startswith("a built vLLM runtime: offline, ART cannot build it")
     assert missing[2].startswith("cached weights: offline (HF_HUB_OFFLINE), and the Hugging Face cache lacks "
                                  "unsloth/Qwen2.5-7B-Instruct-unsloth-bnb-4bit;")
-    monkeypatch.setattr(gpu_checks, "built_vllm_runtime", lambda environ: "/opt/runtime/bin/serve")
-    monkeypatch.setattr(gpu_checks, "cached_repo", lambda repo: True)
-    assert gpu_checks.readiness("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).ok
+    monkeypatch.setattr(readiness, "built_vllm_runtime", lambda environ: "/opt/runtime/bin/serve")
+    monkeypatch.setattr(readiness, "cached_repo", lambda repo: True)
+    assert readiness.check("local", config(), CARD_24, environ={"HF_HUB_OFFLINE": "1"}).ok
     # a local model folder: nothing to download, nothing looked up on the hub
     monkeypatch.undo()
-    ready = gpu_checks.readiness("local", config(base_model=str(tmp_path)), CARD_24, environ={"HF_HUB_OFFLINE": "1",
+    ready = readiness.check("local", config(base_model=str(tmp_path)), CARD_24, environ={"HF_HUB_OFFLINE": "1",
                                                                                            "ART_VLLM_RUNTIME_BIN": "x"})
     assert f"weights: the local folder {tmp_path}" in ready.lines
     assert not any(m.startswith("cached weights") for m in ready.missing)
-    assert gpu_checks.cached_repo("a/../b") is False
+    assert readiness.cached_repo("a/../b") is False
 
 
 def test_a_built_runtime_is_the_one_art_itself_accepts(tmp_path, monkeypatch):
@@ -252,8 +252,8 @@ def test_a_built_runtime_is_the_one_art_itself_accepts(tmp_path, monkeypatch):
     from art import vllm_runtime
 
     monkeypatch.setenv("ART_VLLM_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
-    assert gpu_checks.built_vllm_runtime({}) is None
-    assert gpu_checks.built_vllm_runtime({"ART_VLLM_RUNTIME_BIN": "/x/serve"}) == "/x/serve"
+    assert readiness.built_vllm_runtime({}) is None
+    assert readiness.built_vllm_runtime({"ART_VLLM_RUNTIME_BIN": "/x/serve"}) == "/x/serve"
     manifest = vllm_runtime._load_bundled_manifest()
     digest = vllm_runtime._manifest_hash(manifest)
 
@@ -272,20 +272,20 @@ def test_a_built_runtime_is_the_one_art_itself_accepts(tmp_path, monkeypatch):
         return server
 
     server = build(tmp_path / "cache")
-    assert gpu_checks.built_vllm_runtime({}) == str(server.resolve())
+    assert readiness.built_vllm_runtime({}) == str(server.resolve())
     build(tmp_path / "elsewhere")
     (tmp_path / "cache" / digest / "install.json").unlink()
     import shutil
 
     shutil.move(str(tmp_path / "elsewhere" / digest / "install.json"), tmp_path / "cache" / digest / "install.json")
-    assert gpu_checks.built_vllm_runtime({}) is None
+    assert readiness.built_vllm_runtime({}) is None
 
 
 def test_glibc_is_read_from_the_c_library(monkeypatch):
-    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    assert gpu_checks.glibc_version() == (2, 36)
-    monkeypatch.setattr(gpu_checks.platform, "libc_ver", lambda: ("", ""))
-    assert gpu_checks.glibc_version() is None
+    monkeypatch.setattr(readiness.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    assert readiness.glibc_version() == (2, 36)
+    monkeypatch.setattr(readiness.platform, "libc_ver", lambda: ("", ""))
+    assert readiness.glibc_version() is None
 
 
 def test_train_checks_a_gpu_run_before_anything_loads(demo_db_path, tmp_path, monkeypatch, gpu_extra):
@@ -293,9 +293,9 @@ def test_train_checks_a_gpu_run_before_anything_loads(demo_db_path, tmp_path, mo
     before `register`); a readiness that fails stops it before that."""
     events = []
     monkeypatch.setattr(backends, "cuda_available", lambda: True)
-    monkeypatch.setattr(gpu_checks, "find_gpu", lambda: CARD_24)
-    readiness = gpu_checks.readiness
-    monkeypatch.setattr(gpu_checks, "readiness", lambda *a, **k: events.append("readiness") or readiness(*a, **k))
+    monkeypatch.setattr(readiness, "find_gpu", lambda: CARD_24)
+    check = readiness.check
+    monkeypatch.setattr(readiness, "check", lambda *a, **k: events.append("readiness") or check(*a, **k))
 
     def make_backend(name, cfg):
         events.append("make_backend")

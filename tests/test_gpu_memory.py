@@ -1,5 +1,5 @@
 """The GPU memory estimate's log-prob term is ART 0.5.18's own: its trainer's `_calculate_logprobs`, run on the CPU,
-keeps for backward what `art_backends.logprob_saved_bytes` counts.
+keeps for backward what `readiness.logprob_saved_bytes` counts.
 
 `art/unsloth/train.py` imports trl and unsloth (which refuses to load without a GPU), so the function is taken from
 the installed file's source alone; it needs nothing but torch. What autograd saves is counted with saved-tensor
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from email_agent.backends import art_backends
+from email_agent.backends import readiness
 
 TRAIN_PY = Path(importlib.util.find_spec("art").submodule_search_locations[0]) / "unsloth" / "train.py"
 
@@ -51,10 +51,10 @@ def test_art_keeps_what_the_estimate_counts_per_packed_position(dtype, vocab, po
     head = torch.randn(vocab, hidden, dtype=dtype)  # the LM head: frozen under LoRA
     states = torch.randn(1, positions, hidden, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, vocab, (1, positions))
-    (logprobs, entropy), total, pointers = saved_bytes(calculate, head.t(), states, targets, art_backends.LOGPROB_CHUNK)
+    (logprobs, entropy), total, pointers = saved_bytes(calculate, head.t(), states, targets, readiness.LOGPROB_CHUNK)
     weight = head.untyped_storage().nbytes() if head.untyped_storage().data_ptr() in pointers else 0
     dtype_bytes = torch.finfo(dtype).bits // 8
-    assert total - weight == art_backends.logprob_saved_bytes(vocab, positions, dtype_bytes)
+    assert total - weight == readiness.logprob_saved_bytes(vocab, positions, dtype_bytes)
     logprobs.sum().backward()  # what the bytes are kept for
     assert states.grad is not None and torch.isfinite(states.grad.float()).all()
 
@@ -70,7 +70,7 @@ def test_the_saved_bytes_do_not_shrink_with_the_chunk_size():
 
 
 def test_qwen_s_log_probs_take_about_1_16_gib_per_1024_positions_and_the_7b_trainer_most_of_a_24_gb_card():
-    assert art_backends.logprob_saved_bytes(151936, 1024) / art_backends.GiB == pytest.approx(1.159, abs=0.001)
-    trainer = art_backends.estimate(art_backends.QWEN2_5["Qwen/Qwen2.5-7B-Instruct"], 23.6, gpu_memory_utilization=0.8,
+    assert readiness.logprob_saved_bytes(151936, 1024) / readiness.GiB == pytest.approx(1.159, abs=0.001)
+    trainer = readiness.estimate(readiness.QWEN2_5["Qwen/Qwen2.5-7B-Instruct"], 23.6, gpu_memory_utilization=0.8,
                            max_seq_length=8192, enforce_eager=False).trainer
     assert 19.5 < trainer < 21.0  # 9.3 GiB of it the log-probs' saved tensors

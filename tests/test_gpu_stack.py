@@ -25,7 +25,7 @@ from conftest import ROOT
 from email_agent import backends
 from email_agent.training import training_data
 from email_agent.data import questions as qmod
-from email_agent.backends import art_backends as gpu_checks
+from email_agent.backends import readiness
 from email_agent.agent.episode import Episode
 from email_agent.training.warm_start import expert_trajectories, fine_tune
 
@@ -102,7 +102,7 @@ def test_art_s_unsloth_service_pickles_into_a_fresh_interpreter(tmp_path):
     service, built from this project's settings as ART's _get_service builds it, must pickle, and unpickle in an
     interpreter that has imported nothing, without ART's megatron import (which the guard stands in for only in
     the parent) and without unsloth."""
-    gpu_checks.allow_art_without_megatron()
+    readiness.allow_art_without_megatron()
     from art.dev.get_model_config import get_model_config
     from art.dev.validate import is_dedicated_mode, validate_dedicated_config
     from art.unsloth.service import UnslothService

@@ -23,7 +23,7 @@ from pathlib import Path
 from email_agent.runs import ART_DIR
 from email_agent.agent.tools import TOOLS
 from email_agent.backends import CPU_BASE_MODEL
-from email_agent.backends.art_backends import vllm_lora_rank
+from email_agent.backends.readiness import vllm_lora_rank
 from email_agent.errors import DataError
 from email_agent.runs import Run, find_run, is_step, list_runs
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from email_agent.errors import DataError
 from email_agent.runs import ART_DIR, run_path
-from email_agent.backends import art_backends as gpu_checks
+from email_agent.backends import readiness
 from email_agent.backends.vllm_server import lora_engine_args
 
 BACKENDS = ("cpu", "local", "serverless", "tinker")
@@ -89,17 +89,17 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def default_base_model(backend: str, settings: BackendSettings, gpu: "gpu_checks.GPU | None" = None) -> str:
+def default_base_model(backend: str, settings: BackendSettings, gpu: "readiness.GPU | None" = None) -> str:
     """A model the backend supports: SmolLM2 on CPU; on a GPU the largest Qwen2.5-Instruct that fits the card
     found at the run's memory settings (a 24 GB card when there is none); the remote backends' own models."""
     if backend == "cpu":
         return CPU_BASE_MODEL
     if backend == "local":
-        card = gpu.total_gib if gpu else gpu_checks.CARD_GIB[gpu_checks.NO_GPU_CARD_GB]
-        return gpu_checks.default_local_model(card, gpu_memory_utilization=settings.gpu_memory_utilization,
+        card = gpu.total_gib if gpu else readiness.CARD_GIB[readiness.NO_GPU_CARD_GB]
+        return readiness.default_local_model(card, gpu_memory_utilization=settings.gpu_memory_utilization,
                                               max_seq_length=settings.max_seq_length,
                                               enforce_eager=settings.enforce_eager)
-    return gpu_checks.DEFAULT_MODELS[backend]
+    return readiness.DEFAULT_MODELS[backend]
 
 
 def internal_config(settings: BackendSettings):
@@ -168,8 +168,8 @@ def make_backend(name: str, settings: BackendSettings):
         except ImportError as exc:
             raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt "
                                f"({exc})") from exc
-        gpu_checks.allow_art_without_megatron()
-        gpu_checks.put_venv_uv_on_path()
+        readiness.allow_art_without_megatron()
+        readiness.put_venv_uv_on_path()
         return LocalBackend(path=settings.art_dir)
     if name == "serverless":
         if not os.environ.get("WANDB_API_KEY"):
@@ -187,7 +187,7 @@ def make_backend(name: str, settings: BackendSettings):
         except ImportError as exc:
             raise BackendError(f"--backend tinker needs ART's tinker extra: pip install "
                                f"'openpipe-art[tinker]==0.5.18' ({exc})") from exc
-        gpu_checks.allow_art_without_megatron()
+        readiness.allow_art_without_megatron()
         # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
         return TinkerBackend(path=settings.art_dir)
     raise BackendError(f"unknown backend {name!r}")

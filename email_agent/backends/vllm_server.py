@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from email_agent.errors import DataError
-from email_agent.backends.art_backends import vllm_lora_rank
+from email_agent.backends.readiness import vllm_lora_rank
 
 log = logging.getLogger(__name__)
 

@@ -138,7 +138,7 @@ def cannot_serve(run: Run, step: str, reason: str) -> str:
                           f"trained, or copy its folder there first.")
     number = steps[-1] if step in ("", "latest") or not is_step(step) else int(step)
     folder = run.path / "checkpoints" / f"{number:04d}"
-    rank = backends.gpu_checks.vllm_lora_rank(run.config.get("lora_rank", 8))
+    rank = backends.readiness.vllm_lora_rank(run.config.get("lora_rank", 8))
     return message + (f" To evaluate it anyway, serve the checkpoint with vLLM on a GPU machine: `vllm serve "
                       f"{run.base_model} --enable-lora --max-lora-rank {rank} --lora-modules {run.name}={folder} "
                       f"--enable-auto-tool-choice --tool-call-parser hermes`, then pass --model "

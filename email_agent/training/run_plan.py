@@ -60,13 +60,13 @@ def note(line: str) -> None:
 async def resolve(cfg: TrainConfig) -> Plan:
     """The run `cfg` asks for, resolved (or refused in one sentence); nothing is saved and no model loads."""
     backend = backends.resolve_backend(cfg.backend)
-    gpu = backends.gpu_checks.find_gpu() if backend == "local" else None
+    gpu = backends.readiness.find_gpu() if backend == "local" else None
     base_model = cfg.base_model or backends.default_base_model(backend, cfg, gpu)
     if base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
         base_model = backends.CPU_BASE_MODEL
     cfg = replace(cfg, base_model=base_model)
     if backend != "cpu":  # what an ART backend needs, told in seconds, before anything loads
-        ready = backends.gpu_checks.readiness(backend, cfg, gpu)
+        ready = backends.readiness.check(backend, cfg, gpu)
         print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
         if not ready.ok:
             raise DataError(f"--backend {backend} cannot start here; missing: " + "; ".join(ready.missing))

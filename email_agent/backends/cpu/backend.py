@@ -33,7 +33,8 @@ from art.utils.sft import resolve_sft_batch_size
 from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
-from email_agent.backends.art_backends import DENSE_TARGET_MODULES
+from email_agent.backends import cpu_served_name
+from email_agent.backends.readiness import DENSE_TARGET_MODULES
 from email_agent.backends.vllm_server import VLLMServer
 from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
 from email_agent.backends.cpu.model import load_base_model, load_tokenizer, served_model_dir
@@ -58,13 +59,13 @@ class CPUBackend:
 
     def __init__(self, *, path: str = ".art", seed: int = 0, lora_rank: int = 8, lora_alpha: int = 16,
                  lora_dropout: float = 0.0, lora_target_modules: Iterable[str] = DEFAULT_LORA_TARGETS,
-                 max_batch_size: int = 8, max_grad_norm: float = 0.1, weight_decay: float = 0.1,
+                 max_num_seqs: int = 8, max_grad_norm: float = 0.1, weight_decay: float = 0.1,
                  train_threads: int = 1) -> None:
         self._path = path
         self.seed = seed
         self.lora_config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                       target_modules=list(lora_target_modules), task_type="CAUSAL_LM")
-        self.max_batch_size = max_batch_size
+        self.max_num_seqs = max_num_seqs  # vLLM's: sequences it decodes at once
         self.max_grad_norm = max_grad_norm
         self.weight_decay = weight_decay
         self.train_threads = train_threads
@@ -77,6 +78,12 @@ class CPUBackend:
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None  # runs everything that touches the model
         self._server: VLLMServer | None = None
         self._served_step: int | None = None
+
+
+    @property
+    def max_batch_size(self) -> int:
+        """`max_num_seqs` under the name training/loop.py still reads."""
+        return self.max_num_seqs
 
     async def __aenter__(self) -> CPUBackend:
         return self
@@ -115,9 +122,9 @@ class CPUBackend:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-backend-trainer")
         tokenizer = await self.call(load_tokenizer, model.base_model)  # its tool chat template
         self._server = VLLMServer(
-            await self.call(served_model_dir, model.base_model), f"base:{os.path.basename(model.base_model)}",
+            await self.call(served_model_dir, model.base_model), cpu_served_name(model.base_model),
             chat_template=tokenizer.chat_template, log_path=os.path.join(model_dir, "logs", "vllm.log"),
-            lora_rank=self.lora_config.r, max_num_seqs=self.max_batch_size, seed=self.seed)
+            lora_rank=self.lora_config.r, max_num_seqs=self.max_num_seqs, seed=self.seed)
         self._server.start()  # vLLM imports and loads (about a minute on 2 cores) while the trainer loads
         try:
             await self.call(self._load, model, model_dir)

@@ -2,7 +2,7 @@
 
 Owns the prerequisites of ART 0.5.18's GPU and remote backends (read from its code: the wheel is what
 `requirements-gpu.txt` installs), the GPU memory estimate of a local run, the default base model of each backend,
-and a guard for one import bug of that ART version. `train` and its `--preflight` call `readiness`; the
+and a guard for one import bug of that ART version. `train` and its `--preflight` call `check`; the
 training loop itself never comes here. Nothing in this module needs a GPU: the card is described by `GPU`.
 
 How a local run uses the card (ART 0.5.18, `art/unsloth/service.py`, shared mode): the unsloth trainer loads a
@@ -235,22 +235,23 @@ def tinker_renderer(base_model: str) -> str | None:
         return None
 
 
-def readiness(backend: str, cfg, gpu: GPU | None, environ=os.environ) -> Readiness:
-    """Everything that can be told before an ART backend starts: `cfg` is the training config (base_model set)."""
-    r = Readiness(backend, cfg.base_model)
+def check(backend: str, settings, gpu: GPU | None, environ=os.environ) -> Readiness:
+    """Everything that can be told before an ART backend starts; `settings` are the run's `BackendSettings` (its
+    base_model set)."""
+    r = Readiness(backend, settings.base_model)
     if backend in ("local", "tinker", "serverless") and not installed("wandb"):
         r.missing.append(f"wandb: ART 0.5.18 imports it at every training step of this backend, W&B or not: "
                          f"pip install {WANDB_PIN}")
     if backend == "local":
-        _local(r, cfg, gpu, environ)
+        _local(r, settings, gpu, environ)
     elif backend == "tinker":
         if not environ.get("TINKER_API_KEY"):
             r.missing.append("TINKER_API_KEY: set it in the environment (it is never passed on the command line)")
         if not (installed("tinker") and installed("tinker_cookbook") and installed("fastapi")):
             r.missing.append("ART's tinker extra: pip install 'openpipe-art[tinker]==0.5.18'")
-        renderer = tinker_renderer(cfg.base_model)
+        renderer = tinker_renderer(settings.base_model)
         if renderer is None:
-            r.missing.append(f"a base model Tinker's renderers know: ART 0.5.18 has none for {cfg.base_model} "
+            r.missing.append(f"a base model Tinker's renderers know: ART 0.5.18 has none for {settings.base_model} "
                              f"(Llama 3, Qwen3 / Qwen3.x, Kimi K2, DeepSeek V3, gpt-oss); e.g. --base-model "
                              f"{DEFAULT_MODELS['tinker']}")
         else:
@@ -258,8 +259,8 @@ def readiness(backend: str, cfg, gpu: GPU | None, environ=os.environ) -> Readine
     elif backend == "serverless":
         if not environ.get("WANDB_API_KEY"):
             r.missing.append("WANDB_API_KEY: W&B Training authenticates with it; set it in the environment")
-        if cfg.base_model not in SERVERLESS_MODELS:
-            r.lines.append(f"warning: {cfg.base_model} is not among the models ART 0.5.18 offers for Serverless "
+        if settings.base_model not in SERVERLESS_MODELS:
+            r.lines.append(f"warning: {settings.base_model} is not among the models ART 0.5.18 offers for Serverless "
                            f"({', '.join(SERVERLESS_MODELS)}); W&B may refuse it")
     return r
 
@@ -276,7 +277,7 @@ def put_venv_uv_on_path(environ=os.environ) -> None:
         environ["PATH"] = f"{venv_uv().parent}{os.pathsep}{environ.get('PATH', '')}"
 
 
-def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
+def _local(r: Readiness, settings, gpu: GPU | None, environ) -> None:
     if not (installed("unsloth") and installed("trl")):
         r.missing.append("ART's GPU extra (unsloth, trl): in a venv of its own, pip install -r requirements-gpu.txt")
     if not (shutil.which("uv") or venv_uv() or environ.get("ART_VLLM_RUNTIME_BIN")):
@@ -287,29 +288,30 @@ def _local(r: Readiness, cfg, gpu: GPU | None, environ) -> None:
     card = gpu.total_gib if gpu else CARD_GIB[NO_GPU_CARD_GB]
     r.lines.append(f"GPU {gpu.name}: {gpu.total_gib:.1f} GiB, {gpu.free_gib:.1f} GiB free" if gpu else
                    f"no GPU: sized for a {NO_GPU_CARD_GB} GB card")
-    rank = vllm_lora_rank(cfg.lora_rank)
-    r.lines.append(f"LoRA r={cfg.lora_rank}, alpha={cfg.lora_alpha}; vLLM started with --max-lora-rank {rank}")
-    if cfg.lora_rank > VLLM_LORA_RANKS[-1]:
-        r.missing.append(f"a LoRA rank vLLM can serve: at most {VLLM_LORA_RANKS[-1]}, not {cfg.lora_rank}")
-    if cfg.max_seq_length % PACK_MULTIPLE:
-        lower = max(PACK_MULTIPLE, cfg.max_seq_length // PACK_MULTIPLE * PACK_MULTIPLE)
+    rank = vllm_lora_rank(settings.lora_rank)
+    r.lines.append(f"LoRA r={settings.lora_rank}, alpha={settings.lora_alpha}; vLLM started with "
+                   f"--max-lora-rank {rank}")
+    if settings.lora_rank > VLLM_LORA_RANKS[-1]:
+        r.missing.append(f"a LoRA rank vLLM can serve: at most {VLLM_LORA_RANKS[-1]}, not {settings.lora_rank}")
+    if settings.max_seq_length % PACK_MULTIPLE:
+        lower = max(PACK_MULTIPLE, settings.max_seq_length // PACK_MULTIPLE * PACK_MULTIPLE)
         r.missing.append(f"--max-seq-length a multiple of {PACK_MULTIPLE}: ART 0.5.18 packs a step to a multiple of "
-                         f"{PACK_MULTIPLE} tokens capped at {cfg.max_seq_length}, and its trainer stops on a length "
-                         f"{LOGPROB_CHUNK} does not divide; use {lower}")
-    shape = model_shape(cfg.base_model)
-    _first_start(r, cfg.base_model, shape, environ)
+                         f"{PACK_MULTIPLE} tokens capped at {settings.max_seq_length}, and its trainer stops on a "
+                         f"length {LOGPROB_CHUNK} does not divide; use {lower}")
+    shape = model_shape(settings.base_model)
+    _first_start(r, settings.base_model, shape, environ)
     if shape is None:
-        r.lines.append(f"memory: not estimated (no config.json for {cfg.base_model} at hand)")
+        r.lines.append(f"memory: not estimated (no config.json for {settings.base_model} at hand)")
         return
-    e = estimate(shape, card, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                 max_seq_length=cfg.max_seq_length, enforce_eager=cfg.enforce_eager)
+    e = estimate(shape, card, gpu_memory_utilization=settings.gpu_memory_utilization,
+                 max_seq_length=settings.max_seq_length, enforce_eager=settings.enforce_eager)
     r.lines.append(f"memory: vLLM needs {e.weights_bf16:.1f} GiB of bf16 weights + {MIN_FULL_SEQUENCES} x "
-                   f"{e.kv_per_sequence:.2f} GiB KV for {cfg.max_seq_length}-token sequences + overhead = "
+                   f"{e.kv_per_sequence:.2f} GiB KV for {settings.max_seq_length}-token sequences + overhead = "
                    f"{e.vllm_need:.1f} GiB of its {e.vllm_share:.1f} GiB share (--gpu-memory-utilization "
-                   f"{cfg.gpu_memory_utilization:g}); the trainer needs {e.trainer:.1f} GiB while vLLM sleeps; "
+                   f"{settings.gpu_memory_utilization:g}); the trainer needs {e.trainer:.1f} GiB while vLLM sleeps; "
                    f"host memory {e.host:.0f} GiB")
-    smaller = default_local_model(card, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                  max_seq_length=cfg.max_seq_length, enforce_eager=cfg.enforce_eager)
+    smaller = default_local_model(card, gpu_memory_utilization=settings.gpu_memory_utilization,
+                                  max_seq_length=settings.max_seq_length, enforce_eager=settings.enforce_eager)
     if e.vllm_need > e.vllm_share:
         room = math.ceil(e.vllm_need / card * 100) / 100
         fix = (f"--gpu-memory-utilization {room:.2f}" if room <= 0.9 else
