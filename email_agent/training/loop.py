@@ -39,7 +39,8 @@ async def train(cfg: TrainConfig) -> None:
     """A training run, or its preflight (`cfg` already refused by `config.check` if no run can use it)."""
     plan = await run_plan.resolve(cfg)  # everything that can refuse the run, before anything is saved or loads
     cfg = plan.config
-    backend = backends.make_backend(plan.backend, cfg)  # fails here, before anything is saved, if it cannot run
+    # fails here, before anything is saved, if it cannot run
+    backend = backends.make_backend(plan.backend, plan.backend_settings)
     new_run = not run_dir(cfg).exists()
     runs.start(run_dir(cfg), saved_config(cfg, plan.backend), fresh=cfg.fresh, preflight=cfg.preflight)
     model = trainable_model(plan)
@@ -74,7 +75,7 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
     """GRPO's steps, each gathered, judged, trained on and logged, validated as due; then the checkpoints kept."""
     cfg = plan.config
     if plan.backend == "cpu":
-        await say_what_a_cpu_step_costs(plan, policy, backend.max_batch_size)
+        await say_what_a_cpu_step_costs(plan, policy, backend.max_num_seqs)
     warnings = step_health.Warnings(cfg.temperature)
     for batch in batches:
         if cfg.max_steps and batch.step >= cfg.max_steps:
@@ -116,9 +117,10 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
 
 def trainable_model(plan: Plan) -> art.TrainableModel:
     cfg = plan.config
+    local = backends.internal_config(plan.backend_settings) if plan.backend == "local" else None
     return art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model,
                               base_path=cfg.art_dir, report_metrics=["wandb"] if cfg.wandb else [],
-                              _internal_config=backends.internal_config(cfg) if plan.backend == "local" else None)
+                              _internal_config=local)
 
 
 def opening_summary(plan: Plan) -> list[str]:
@@ -232,7 +234,7 @@ async def run_warm_start(plan: Plan, model: art.TrainableModel, policy: Policy,
     return state["sft_steps"]
 
 
-async def say_what_a_cpu_step_costs(plan: Plan, policy: Policy, max_batch_size: int) -> None:
+async def say_what_a_cpu_step_costs(plan: Plan, policy: Policy, max_num_seqs: int) -> None:
     """GPU-scale steps on a CPU: one rollout timed, and what a step of them will cost, said before the first."""
     cfg = plan.config
     rollouts = cfg.groups_per_step * cfg.rollouts_per_group
@@ -240,5 +242,5 @@ async def say_what_a_cpu_step_costs(plan: Plan, policy: Policy, max_batch_size: 
     if rollouts > preset_rollouts:
         started = time.perf_counter()
         await plan.rollout(policy, plan.rl_questions[0], plan.db, plan.episode)
-        print(step_health.cpu_step_note(time.perf_counter() - started, rollouts, min(cfg.concurrency, max_batch_size),
+        print(step_health.cpu_step_note(time.perf_counter() - started, rollouts, min(cfg.concurrency, max_num_seqs),
                                         preset_rollouts), file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from email_agent import backends, runs
-from email_agent.agent import rewards
+from email_agent.agent import grading
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import rollout
 from email_agent.config import DEMO_DB, TrainConfig, run_dir, saved_config
@@ -30,6 +30,7 @@ class Plan:
 
     config: TrainConfig  # the flags, with the base model resolved; never changed after `resolve`
     backend: str  # cpu | local | serverless | tinker
+    backend_settings: backends.BackendSettings  # what the backend and ART's model settings read of the run
     db: EmailDB
     val_questions: list[Question]
     train_questions: list[Question]  # the warm start's
@@ -61,12 +62,13 @@ async def resolve(cfg: TrainConfig) -> Plan:
     """The run `cfg` asks for, resolved (or refused in one sentence); nothing is saved and no model loads."""
     backend = backends.resolve_backend(cfg.backend)
     gpu = backends.readiness.find_gpu() if backend == "local" else None
-    base_model = cfg.base_model or backends.default_base_model(backend, cfg, gpu)
+    base_model = cfg.base_model or backends.default_base_model(backend, backends.BackendSettings.of(cfg), gpu)
     if base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
         base_model = backends.CPU_BASE_MODEL
     cfg = replace(cfg, base_model=base_model)
+    settings = backends.BackendSettings.of(cfg)
     if backend != "cpu":  # what an ART backend needs, told in seconds, before anything loads
-        ready = backends.readiness.check(backend, cfg, gpu)
+        ready = backends.readiness.check(backend, settings, gpu)
         print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
         if not ready.ok:
             raise DataError(f"--backend {backend} cannot start here; missing: " + "; ".join(ready.missing))
@@ -75,7 +77,7 @@ async def resolve(cfg: TrainConfig) -> Plan:
     db = EmailDB(cfg.db)
     # validation, warm-start and GRPO questions, all from the train split (GRPO's with unanswerable replays)
     val_questions, train_questions, rl_questions = training_questions(db, cfg)
-    reward_mode, judge = rewards.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
+    reward_mode, judge = grading.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
     if judge:
         await judge.probe()
@@ -101,6 +103,6 @@ async def resolve(cfg: TrainConfig) -> Plan:
 
         played = traced_rollout(cfg.project, rollout, judge)
     rl_steps = cfg.max_steps or cfg.num_epochs * -(-len(rl_questions) // cfg.groups_per_step)
-    return Plan(cfg, backend, db, val_questions, train_questions, rl_questions, episode, ruler_model,
-                rewards.ruler_params(judge, cfg.judge_base_url), rl_steps, state, sft_episodes, played)
+    return Plan(cfg, backend, settings, db, val_questions, train_questions, rl_questions, episode, ruler_model,
+                grading.ruler_params(judge, cfg.judge_base_url), rl_steps, state, sft_episodes, played)
 
