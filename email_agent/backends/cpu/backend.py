@@ -79,12 +79,6 @@ class CPUBackend:
         self._server: VLLMServer | None = None
         self._served_step: int | None = None
 
-
-    @property
-    def max_batch_size(self) -> int:
-        """`max_num_seqs` under the name training/loop.py still reads."""
-        return self.max_num_seqs
-
     async def __aenter__(self) -> CPUBackend:
         return self
 
