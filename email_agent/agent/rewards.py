@@ -160,13 +160,3 @@ def ruler_failed(trajectories, error: str, transient: bool) -> None:
         t.metrics.update({"independent_reward": own, RULER_ERROR: 1})
         t.metadata.update({RULER_ERROR: error, JUDGE_TRANSIENT: transient})
         t.reward = 0.0
-
-
-def __getattr__(name: str):
-    """The judge's names that moved to `grading`, still reachable here for the training loop's imports until it
-    takes them from `grading` (imported on use: `grading` imports this module)."""
-    if name in ("configure", "ruler_params"):
-        from email_agent.agent import grading
-
-        return getattr(grading, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
