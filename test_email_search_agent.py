@@ -29,7 +29,7 @@ from email_agent.evaluation import players, records, report, scores, serving
 from email_agent.agent import rewards
 from email_agent.runs import ART_DIR, PROJECT
 from email_agent.backends import CPU_BASE_MODEL
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.episode import MEANINGS, SHAPE, Episode
 from email_agent.data.questions import Question, id_sort_key, select_questions
@@ -94,15 +94,15 @@ async def evaluate(args) -> int:
 def open_questions(args) -> tuple[EmailDB, list[Question]]:
     """The database and the questions to play, or one sentence on why there are none."""
     if args.demo and not Path(args.db).exists():
-        raise DataError(f"No demo database at {args.db}; build it with "
+        raise UserError(f"No demo database at {args.db}; build it with "
                         f"`python train_email_search_agent.py build-db --demo`.")
     db = EmailDB(args.db)
     questions = select_questions(db, args.split, single_source=args.single_source, seed=args.seed, limit=args.limit)
     if not questions:
         splits = sorted({row[0] for row in db.conn.execute("SELECT DISTINCT split FROM questions")})
         if splits and args.split not in splits:
-            raise DataError(f"--split {args.split!r}: {args.db} has the splits {', '.join(splits)}")
-        raise DataError(f"No answerable {args.split!r} questions in {args.db}; write some with "
+            raise UserError(f"--split {args.split!r}: {args.db} has the splits {', '.join(splits)}")
+        raise UserError(f"No answerable {args.split!r} questions in {args.db}; write some with "
                         f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
     return db, questions
 
@@ -117,7 +117,7 @@ async def open_contestants(specs: list[str], servers: serving.Servers) -> list[p
     labels = [c.label for c in contestants]
     if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step
         twice = next(label for label in labels if labels.count(label) > 1)
-        raise DataError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
+        raise UserError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
     for contestant in contestants:
         await players.probe(contestant)
     return contestants

@@ -31,7 +31,7 @@ from email_agent.data import build, generate
 from email_agent import cli, runs
 from email_agent.evaluation import players
 from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB, check_day, visible_until
 
 
@@ -40,7 +40,7 @@ from email_agent.data.email_db import EmailDB, check_day, visible_until
 def build_db(args) -> None:
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     if args.demo and (args.emails or args.questions):
-        raise DataError("--demo builds the bundled demo inbox; it takes no --emails or --questions")
+        raise UserError("--demo builds the bundled demo inbox; it takes no --emails or --questions")
     build.check_target(db_path, [args.emails, args.questions], brings_questions=not args.emails or bool(args.questions),
                        overwrite=args.overwrite)
     emails, question_rows, source, total = build.open_sources(demo=args.demo, emails=args.emails,
@@ -97,7 +97,7 @@ def read(args) -> None:
 def ask_command(args) -> None:
     for flag in ("max_turns", "max_tokens"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     spec, db = ask.model_and_db(args.model, args.db, args.art_dir, DEFAULT_DB)
     question = ask.adhoc_question(db, args.question, args.inbox, args.as_of)
     options = players.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,

@@ -43,7 +43,7 @@ from email_agent.apps import ask
 from email_agent.evaluation import players
 from email_agent.evaluation.serving import Servers
 from email_agent import runs
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import select_questions
 from scripted_server import expert_script, serve_in_thread
@@ -85,7 +85,7 @@ async def latency(args, spec, base_url, questions, db) -> None:
                                                                "as_of": q.query_date}, read_timeout_seconds=600)
                 mcp.append(time.perf_counter() - started)
                 if result.is_error:
-                    raise DataError(f"ask_inbox failed: {result.content[0].text}")
+                    raise UserError(f"ask_inbox failed: {result.content[0].text}")
                 same += result.structured_content["answer"] == direct.answer
     p50, p95 = percentile(inproc, 50), percentile(inproc, 95)
     m50, m95 = percentile(mcp, 50), percentile(mcp, 95)
@@ -110,7 +110,7 @@ async def throughput(args, spec, base_url, questions) -> None:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
                 break
             if server.poll() is not None:
-                raise DataError("serve --http exited before it listened")
+                raise UserError("serve --http exited before it listened")
             await asyncio.sleep(0.2)
 
         async def client(queue: asyncio.Queue, connected: asyncio.Barrier) -> None:
@@ -124,7 +124,7 @@ async def throughput(args, spec, base_url, questions) -> None:
                     result = await session.call_tool("ask_inbox", {"question": q.question, "inbox": q.inbox_address,
                                                                    "as_of": q.query_date}, read_timeout_seconds=600)
                     if result.is_error:
-                        raise DataError(f"ask_inbox failed: {result.content[0].text}")
+                        raise UserError(f"ask_inbox failed: {result.content[0].text}")
 
         asked = questions * args.rounds
         seconds = {}

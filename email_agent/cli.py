@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.runs import storage_problem
 
 PLAIN_PROGRESS_S = 30  # seconds between progress lines when stderr is a file or a CI log
@@ -108,7 +108,7 @@ def check_text_arguments(argv: list[str]) -> None:
             arg.encode("utf-8")
         except UnicodeEncodeError:
             shown = arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            raise DataError(f"the argument '{shown}' is not UTF-8 text; retype it in a UTF-8 terminal") from None
+            raise UserError(f"the argument '{shown}' is not UTF-8 text; retype it in a UTF-8 terminal") from None
 
 
 def add_dataclass_flags(parser, cls) -> None:
@@ -179,7 +179,7 @@ def run_command(command, argv: list[str] | None, *, interrupted: str | Callable[
     try:
         check_text_arguments(argv if argv is not None else sys.argv[1:])
         return command() or 0
-    except DataError as exc:
+    except UserError as exc:
         print(f"Error: {exc}", file=sys.stderr)
     except sqlite3.DatabaseError as exc:  # damaged after it was opened (a disk error, a half-copied file)
         print(f"Error: the database could not be read ({exc}); if it is damaged, rebuild it with build-db",

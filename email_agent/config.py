@@ -14,7 +14,7 @@ from pathlib import Path
 
 from email_agent import backends
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.agent.episode import SHAPE, Episode
 
 EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
@@ -148,47 +148,47 @@ def check(cfg: TrainConfig) -> None:
     values no run can use, a run that could not learn (`check_warm_start`), names no folder can take; each refused
     with one sentence."""
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
-        raise DataError(f"--preflight with --fresh would delete run {cfg.name!r}; "
+        raise UserError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
     if cfg.wandb and not wandb_installed():  # ART 0.5.18's model.log imports it for W&B metrics
-        raise DataError("--wandb logs through the wandb package, which is not installed here: "
+        raise UserError("--wandb logs through the wandb package, which is not installed here: "
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     backends.cpu_dtype()  # an environment variable mistyped would otherwise stop the CPU trainer minutes in
     if cfg.keep_checkpoints not in ("best", "all"):
-        raise DataError("--keep-checkpoints is best or all")
+        raise UserError("--keep-checkpoints is best or all")
     if not -1 <= cfg.advantage_balance <= 1:
-        raise DataError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
+        raise UserError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
     if cfg.sft_schedule not in ("constant", "linear", "cosine"):
-        raise DataError(f"--sft-schedule is constant, linear or cosine, not {cfg.sft_schedule!r}")
+        raise UserError(f"--sft-schedule is constant, linear or cosine, not {cfg.sft_schedule!r}")
     if not cfg.hallucination_penalty >= 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
-        raise DataError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
+        raise UserError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
     for key in ("learning_rate", "sft_learning_rate"):
         if not 0 < getattr(cfg, key) < math.inf:
-            raise DataError(f"--{key.replace('_', '-')} must be above 0, not {getattr(cfg, key)}")
+            raise UserError(f"--{key.replace('_', '-')} must be above 0, not {getattr(cfg, key)}")
     if not 0 <= cfg.temperature < math.inf:
-        raise DataError(f"--temperature must be at least 0, not {cfg.temperature}")
+        raise UserError(f"--temperature must be at least 0, not {cfg.temperature}")
     if not 0 <= cfg.min_realistic <= 1:  # ART·E's how_realistic scores run from 0 to 1
-        raise DataError(f"--min-realistic must be between 0 and 1, not {cfg.min_realistic}")
+        raise UserError(f"--min-realistic must be between 0 and 1, not {cfg.min_realistic}")
     for key in ("judge_patience", "min_reward_std"):
         if not 0 <= getattr(cfg, key) < math.inf:
-            raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+            raise UserError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
     if not 0 <= cfg.unanswerable_share < 1:
-        raise DataError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
+        raise UserError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
     for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
                 "sft_batch_size", *SHAPE, "lora_rank", "lora_alpha", "max_num_seqs", "max_seq_length"):
         if getattr(cfg, key) < 1:
-            raise DataError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
+            raise UserError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
     if not 0 < cfg.gpu_memory_utilization <= 1:  # vLLM's share of the card
-        raise DataError(f"--gpu-memory-utilization is a share of the GPU's memory, above 0 and at most 1, not "
+        raise UserError(f"--gpu-memory-utilization is a share of the GPU's memory, above 0 and at most 1, not "
                         f"{cfg.gpu_memory_utilization}")
     for key in ("val_size", "train_limit", "sft_limit", "max_steps", "cpu_train_threads"):
         if getattr(cfg, key) < 0:
-            raise DataError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+            raise UserError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
     if cfg.sft_only and not cfg.sft_from:
-        raise DataError("--sft-only stops after the warm start, and --sft-from names none; give --sft-from "
+        raise UserError("--sft-only stops after the warm start, and --sft-from names none; give --sft-from "
                         "expert or an evaluation folder")
     if cfg.sft_from not in ("", *EXPERT_NAMES) and not (Path(cfg.sft_from).expanduser() / "results.jsonl").is_file():
-        raise DataError(f"--sft-from {cfg.sft_from}: expected 'expert' or an evaluation folder with results.jsonl "
+        raise UserError(f"--sft-from {cfg.sft_from}: expected 'expert' or an evaluation folder with results.jsonl "
                         "(an output folder of test_email_search_agent.py)")
     check_warm_start(cfg)
     check_name("--name", cfg.name)
@@ -207,7 +207,7 @@ def check_warm_start(cfg: TrainConfig) -> None:
     what = ("no GPU found, so this run would train SmolLM2-135M-Instruct on the CPU" if cfg.backend == "auto"
             else "the CPU backend's SmolLM2-135M-Instruct")
     demo = "" if cfg.demo else ", or train the demo inbox with --demo"
-    raise DataError(f"{what}, which never makes a valid tool call untrained, so GRPO would learn nothing: "
+    raise UserError(f"{what}, which never makes a valid tool call untrained, so GRPO would learn nothing: "
                     f"warm-start it with --sft-from expert{demo}, or add --train-anyway to train regardless.")
 
 

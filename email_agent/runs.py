@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from email_agent.agent.episode import SHAPE, Episode
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 
 ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
 PROJECT = "email-agent"  # the ART (and W&B) project
@@ -51,7 +51,7 @@ class Run:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             problem = str(exc)
         if problem:
-            raise DataError(f"{config_path} is damaged ({problem}): it records how the run was trained; restore it, "
+            raise UserError(f"{config_path} is damaged ({problem}): it records how the run was trained; restore it, "
                             f"or train the run again with --fresh.")
         return cls(path, config)
 
@@ -74,7 +74,7 @@ class Run:
     @property
     def base_model(self) -> str:
         if not self.config.get("base_model"):
-            raise DataError(f"{self.path / 'run_config.json'} is missing or names no base_model; "
+            raise UserError(f"{self.path / 'run_config.json'} is missing or names no base_model; "
                             "is this a training run?")
         return self.config["base_model"]
 
@@ -90,11 +90,11 @@ class Run:
         """'' / 'latest' / 'N' -> (step, its folder), from the checkpoints on this machine."""
         steps = self.steps()
         if not steps:
-            raise DataError(f"{self.path} has no checkpoints yet.")
+            raise UserError(f"{self.path} has no checkpoints yet.")
         if step in ("", "latest"):
             chosen = steps[-1]
         elif not is_step(step) or int(step) not in steps:
-            raise DataError(f"{self.path} has no checkpoint {step!r}; it has {', '.join(map(str, steps))} "
+            raise UserError(f"{self.path} has no checkpoint {step!r}; it has {', '.join(map(str, steps))} "
                             f"(or use @latest).")
         else:
             chosen = int(step)
@@ -142,12 +142,12 @@ def find_run(name: str, art_dir: str = ART_DIR) -> Run | None:
 
 def trained_db(specs: list[str], art_dir: str = ART_DIR) -> str | None:
     """The database the first trained run among the --model values was trained on (None if none is a run);
-    a DataError if it is no longer where the run saved it."""
+    a UserError if it is no longer where the run saved it."""
     for spec in specs:
         run = find_run(spec.partition("@")[0], art_dir)
         if run is not None and run.config.get("db"):
             if not Path(run.config["db"]).exists():
-                raise DataError(f"run {run.name!r} was trained on the database {run.config['db']}, which is not "
+                raise UserError(f"run {run.name!r} was trained on the database {run.config['db']}, which is not "
                                 f"there (seen from {Path.cwd()}); pass --db")
             return run.config["db"]
     return None
@@ -159,16 +159,16 @@ def list_runs(art_dir: str = ART_DIR) -> list[Run]:
     for path in Path(art_dir).glob("*/models/*/run_config.json"):
         try:
             runs.append(Run.load(path.parent))
-        except DataError as exc:  # one damaged run does not hide the others
+        except UserError as exc:  # one damaged run does not hide the others
             log.warning("skipping a run: %s", exc)
     return sorted(runs, key=Run.last_active, reverse=True)
 
 
 def latest_run(art_dir: str = ART_DIR) -> Run:
-    """The most recently active run, or a DataError that says what else to pass."""
+    """The most recently active run, or a UserError that says what else to pass."""
     runs = list_runs(art_dir)
     if not runs:
-        raise DataError(f"no trained run under {art_dir}/*/models/ (train one with `python train_email_search_agent.py "
+        raise UserError(f"no trained run under {art_dir}/*/models/ (train one with `python train_email_search_agent.py "
                         f"train --demo`), so give --model: base (the untrained model on CPU), a provider/model such "
                         f"as openai/o4-mini, or hosted_vllm/NAME with --base-url.")
     log.info("no --model given: using the most recent run, %s (others: %s)", runs[0].name,
@@ -181,7 +181,7 @@ def latest_run(art_dir: str = ART_DIR) -> Run:
 def check_name(flag: str, value: str) -> None:
     """--name and --project become folder names."""
     if not value.strip() or value != value.strip() or "/" in value or value in (".", ".."):
-        raise DataError(f"{flag} {value!r}: a run needs a {flag[2:]} that is a plain folder name")
+        raise UserError(f"{flag} {value!r}: a run needs a {flag[2:]} that is a plain folder name")
 
 
 # What a resumed run must keep: the model and its LoRA, the questions it trains and validates on (the seed
@@ -195,7 +195,7 @@ GRPO_KEEPS = ("groups_per_step", "num_epochs", "unanswerable_share")
 
 
 def check_resumable(directory: Path, config: dict) -> None:
-    """A DataError if the run in `directory` was trained with other RESUME_KEEPS than `config`, or other
+    """A UserError if the run in `directory` was trained with other RESUME_KEEPS than `config`, or other
     GRPO_KEEPS once a GRPO step is logged (keys an older run did not save are not compared)."""
     if not (directory / "run_config.json").exists():
         return
@@ -207,7 +207,7 @@ def check_resumable(directory: Path, config: dict) -> None:
         if key == "db" and before is not None:
             before, now = str(Path(before).resolve()), str(Path(now).resolve())
         if key in previous and before != now:
-            raise DataError(f"run {directory.name!r} was trained with {as_flag(key, before)}, not {as_flag(key, now)}; "
+            raise UserError(f"run {directory.name!r} was trained with {as_flag(key, before)}, not {as_flag(key, now)}; "
                             f"pass {as_flag(key, before)} to resume it (--fresh would delete the run and start it "
                             f"over; another --name starts a new run).")
 
@@ -240,7 +240,7 @@ def start(directory: Path, config: dict, fresh: bool = False, preflight: bool = 
 
 def lock(art_dir: str, project: str, name: str):
     """An exclusive lock on the run's name (a file in `art_dir`: --fresh deletes the run's folder), held until
-    the returned file is closed; a DataError if another process holds it: two processes training one run
+    the returned file is closed; a UserError if another process holds it: two processes training one run
     would write the same checkpoints and prune each other's."""
     # here, not at the top: fcntl is POSIX-only, and only training locks a run (reading runs works without it)
     import fcntl
@@ -250,14 +250,14 @@ def lock(art_dir: str, project: str, name: str):
         path.parent.mkdir(parents=True, exist_ok=True)
         held = open(path, "a+")
     except OSError as exc:
-        raise DataError(f"--art-dir {art_dir}: runs cannot be kept there ({exc.strerror or exc})") from None
+        raise UserError(f"--art-dir {art_dir}: runs cannot be kept there ({exc.strerror or exc})") from None
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         held.seek(0)
         holder = held.read().strip() or "another process"
         held.close()
-        raise DataError(f"run {name!r} is being trained by {holder}; wait for it, stop it, or use another --name")
+        raise UserError(f"run {name!r} is being trained by {holder}; wait for it, stop it, or use another --name")
     held.seek(0)
     held.truncate()
     held.write(f"process {os.getpid()}")
@@ -270,7 +270,7 @@ STATE_FIELDS = {"sft_start_step": int, "sft_steps": int, "sft_done": bool}
 
 
 def read_state(directory: Path) -> dict:
-    """The run's saved progress (empty for a new run); a damaged state.json is a DataError, read before any
+    """The run's saved progress (empty for a new run); a damaged state.json is a UserError, read before any
     model is loaded."""
     path = directory / "state.json"
     if not path.exists():
@@ -284,7 +284,7 @@ def read_state(directory: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problem = str(exc)
     if problem:
-        raise DataError(f"{path} is damaged ({problem}); start run {directory.name!r} over with --fresh, or train "
+        raise UserError(f"{path} is damaged ({problem}); start run {directory.name!r} over with --fresh, or train "
                         f"under another --name")
     return state
 
@@ -297,7 +297,7 @@ async def check_state(directory: Path, state: dict, model) -> dict:
     # logged as train/sft_epoch
     warm_started = history.is_file() and 'sft_epoch"' in history.read_text(errors="replace")
     if step and warm_started and not state:
-        raise DataError(f"run {directory.name!r} has checkpoints up to step {step} but no state.json, so where its "
+        raise UserError(f"run {directory.name!r} has checkpoints up to step {step} but no state.json, so where its "
                         f"warm start ended is unknown; restore that file, or start over with --fresh")
     if state.get("sft_done") and step < state.get("sft_steps", 0):
         print(f"note: run {directory.name!r}'s checkpoints end at step {step}, before its warm start ended (step "

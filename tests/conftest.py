@@ -111,11 +111,11 @@ def qwen25_model_dir(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     from email_agent.backends.cpu import find_base_model
-    from email_agent.errors import DataError
+    from email_agent.errors import UserError
 
     try:
         gguf = find_base_model("qwen2.5-0.5b")
-    except DataError as error:
+    except UserError as error:
         pytest.skip(f"Qwen2.5's GGUF is not installed (make setup-qwen): {error}")
     folder = tmp_path_factory.mktemp("qwen2.5")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -20,7 +20,7 @@ from email_agent.backends.cpu import TOOL_CHAT_TEMPLATE, CheckpointError, CPUBac
 from email_agent.backends.cpu import model as model_module
 from email_agent.backends.vllm_server import URL_ENV
 from email_agent.training.training_data import for_grpo
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from hermes_calls import parse_tool_calls
 
 import art
@@ -455,7 +455,7 @@ def test_unknown_base_model_is_a_clear_error(loop, tmp_path):
         finally:
             await backend.close()
 
-    with pytest.raises(DataError, match="not attempted offline"):
+    with pytest.raises(UserError, match="not attempted offline"):
         loop.run_until_complete(run())
 
 

@@ -261,10 +261,10 @@ def test_read_for_a_person_and_the_text_of_mail_and_search_results(small_db):
                                "body number 2 about the falcon pipeline")
     two = dataclasses.replace(email, to_addresses=["bob@x.com", "dan@x.com"], bcc_addresses=["eve@x.com"])
     assert "\nTo: bob@x.com, dan@x.com\nCc: carol@x.com\nBcc: eve@x.com\nSubject: " in two.as_text()
-    with pytest.raises(email_db.DataError) as bare:
+    with pytest.raises(email_db.UserError) as bare:
         db.read_or_explain("m2@x")
     assert str(bare.value) == "No email with message_id 'm2@x' (ids are written with angle brackets: '<m2@x>')."
-    with pytest.raises(email_db.DataError) as missing:
+    with pytest.raises(email_db.UserError) as missing:
         db.read_or_explain("<m99@x>")
     assert str(missing.value) == "No email with message_id '<m99@x>'."
     words = " ".join(f"word{i:02d}" for i in range(30))  # 30 x 6 characters + spaces: wraps after 14 words
@@ -280,21 +280,21 @@ def test_what_hides_an_email_and_which_inboxes_exist_are_said_in_full(small_db, 
     malformed; a mistyped inbox lists the five largest, "address (count)" apart by commas; a snippet of 101
     characters is wrapped at 100."""
     _, db = small_db
-    with pytest.raises(email_db.DataError) as other_inbox:
+    with pytest.raises(email_db.UserError) as other_inbox:
         db.read_or_explain("<m30@x>", inbox="bob@x.com")  # erin's email, asked in bob's inbox
     assert str(other_inbox.value) == ("Email '<m30@x>' exists, but --inbox bob@x.com hides it (not that inbox's, "
                                       "or sent after that day).")
-    with pytest.raises(email_db.DataError) as both:
+    with pytest.raises(email_db.UserError) as both:
         db.read_or_explain("<m31@x>", inbox="bob@x.com", as_of="2001-06-30")  # sent 07-15
     assert "exists, but --inbox bob@x.com --as-of 2001-06-30 hides it" in str(both.value)
-    with pytest.raises(email_db.DataError, match="^--as-of must be a date like 2001-05-31, not '2001-06-30x'$"):
+    with pytest.raises(email_db.UserError, match="^--as-of must be a date like 2001-05-31, not '2001-06-30x'$"):
         email_db.visible_until("2001-06-30x")
     people = [f"p{i}@x.com" for i in range(7)]  # p0 in 7 emails, p1 in 6, ... p6 in 1; each sender in 1
     build_database([record(i, from_address=f"s{i}@x.com", to_addresses=people[:7 - i], cc_addresses=[])
                     for i in range(7)], [], tmp_path / "p.db", source="t", progress=False)
     many = EmailDB(tmp_path / "p.db")
     try:
-        with pytest.raises(email_db.DataError) as typo:
+        with pytest.raises(email_db.UserError) as typo:
             many.require_inbox("p9@x.com")
         assert str(typo.value).startswith(f"{tmp_path / 'p.db'} has no mail")  # the database searched
         assert str(typo.value).endswith("has no mail sent or received by 'p9@x.com'; its largest inboxes: "
@@ -332,10 +332,10 @@ def test_database_is_read_only(small_db):
 
 
 def test_missing_or_foreign_database(tmp_path):
-    with pytest.raises(email_db.DataError, match="build-db"):
+    with pytest.raises(email_db.UserError, match="build-db"):
         EmailDB(tmp_path / "nope.db")
     (tmp_path / "junk.db").write_text("not sqlite")
-    with pytest.raises(email_db.DataError, match="cannot be read as an email database of this tool"):
+    with pytest.raises(email_db.UserError, match="cannot be read as an email database of this tool"):
         EmailDB(tmp_path / "junk.db")
 
 
@@ -364,7 +364,7 @@ def test_failed_build_keeps_previous_database(tmp_path):
         build_database(exploding(), [], path, source="t", progress=False)
     assert EmailDB(path).read("<m1@x>") is not None
     assert list(tmp_path.iterdir()) == [path]
-    with pytest.raises(email_db.DataError, match="No usable emails"):
+    with pytest.raises(email_db.UserError, match="No usable emails"):
         build_database([{"subject": "x"}], [], tmp_path / "b.db", source="t", progress=False)
     assert not (tmp_path / "b.db").exists()
 
@@ -431,7 +431,7 @@ def test_maildir_and_mbox_sources(tmp_path):
         assert row["subject"] == "Forecastupdate"  # CMU-style fold removed
         assert row["body"].strip() == "Here is our forecast."
     assert rows[0]["file_name"].endswith("#0")
-    with pytest.raises(email_db.DataError):
+    with pytest.raises(email_db.UserError):
         sources.read_emails(tmp_path / "missing.jsonl")
 
 
@@ -484,11 +484,11 @@ def test_a_build_refuses_another_programs_database_and_a_folder_it_cannot_write(
     other = tmp_path / "contacts.db"
     with sqlite3.connect(other) as conn:
         conn.execute("CREATE TABLE contacts (name)")
-    with pytest.raises(email_db.DataError, match="another program's SQLite database \\(tables: contacts\\)"):
+    with pytest.raises(email_db.UserError, match="another program's SQLite database \\(tables: contacts\\)"):
         check_target(other, [], brings_questions=True)
     check_target(other, [], brings_questions=True, overwrite=True)
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(email_db.DataError, match="cannot write the database at"):
+    with pytest.raises(email_db.UserError, match="cannot write the database at"):
         build_database([record(1)], [], tmp_path / "afile" / "x.db", source="t", progress=False)
 
 
@@ -508,7 +508,7 @@ def test_databases_that_lack_what_search_reads_are_refused_when_opened(tmp_path)
     build_database([record(1)], [], tmp_path / "a.db", source="t", progress=False)
     with sqlite3.connect(tmp_path / "a.db") as conn:
         conn.execute("DROP TABLE mailbox")
-    with pytest.raises(email_db.DataError, match="no such table: mailbox"):
+    with pytest.raises(email_db.UserError, match="no such table: mailbox"):
         EmailDB(tmp_path / "a.db")
 
 
@@ -525,12 +525,12 @@ def test_dates_at_the_end_of_the_calendar_and_malformed_ones():
 def test_a_file_or_folder_without_mail_says_so(tmp_path):
     (tmp_path / "notes.mbox").write_text("hello\nnot mail\n")
     (tmp_path / "empty.mbox").write_text("")
-    with pytest.raises(email_db.DataError, match="is not an mbox file: its first line is 'hello'"):
+    with pytest.raises(email_db.UserError, match="is not an mbox file: its first line is 'hello'"):
         sources.read_emails(tmp_path / "notes.mbox")
-    with pytest.raises(email_db.DataError, match="is not an mbox file: it is empty"):
+    with pytest.raises(email_db.UserError, match="is not an mbox file: it is empty"):
         sources.read_emails(tmp_path / "empty.mbox")
     (tmp_path / "folder").mkdir()
-    with pytest.raises(email_db.DataError, match=r"^No emails in folder\.$"):
+    with pytest.raises(email_db.UserError, match=r"^No emails in folder\.$"):
         build_database(sources.read_emails(tmp_path / "folder"), [], tmp_path / "a.db", source="folder",
                        progress=False)
     assert not (tmp_path / "a.db").exists()
@@ -642,9 +642,9 @@ def test_a_question_record_is_read_as_given_and_refused_with_its_reason():
 
 
 def test_question_files_that_are_not_there_are_one_line_errors(tmp_path):
-    with pytest.raises(email_db.DataError, match="is a folder; give the questions file"):
+    with pytest.raises(email_db.UserError, match="is a folder; give the questions file"):
         questions.read_questions(tmp_path)
-    with pytest.raises(email_db.DataError, match="No such question file"):
+    with pytest.raises(email_db.UserError, match="No such question file"):
         questions.read_questions(tmp_path / "q.jsonl")
     (tmp_path / "q.jsonl").write_text(json.dumps(question(1)) + "\n")
     assert list(questions.read_questions(tmp_path / "q.jsonl")) == [question(1)]
@@ -683,10 +683,10 @@ def test_a_runs_questions_hold_out_validation_then_train_then_replays(small_db):
     assert questions.training_questions(db, TrainConfig(val_size=0, train_limit=1, single_source=False, seed=None,
                                                         unanswerable_share=0.5))[1:] == (
         [one], [one, dataclasses.replace(questions.withheld(one, db), id="1-withheld")])
-    with pytest.raises(email_db.DataError, match=r"No answerable training questions in small.db \(after holding out 2 "
+    with pytest.raises(email_db.UserError, match=r"No answerable training questions in small.db \(after holding out 2 "
                                              r"for validation: a smaller --val-size, or write some"):
         questions.training_questions(db, TrainConfig(db="small.db", val_size=2, single_source=False))
-    with pytest.raises(email_db.DataError, match=r"No answerable training questions in small.db \(write some"):
+    with pytest.raises(email_db.UserError, match=r"No answerable training questions in small.db \(write some"):
         questions.training_questions(db, TrainConfig(db="small.db", val_size=0, min_realistic=0.95))
 
 

@@ -12,7 +12,7 @@ from conftest import ROOT, needs_enron
 from email_agent.evaluation import players, report, serving
 from email_agent import runs
 from email_agent.data import questions as qmod
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.agent.grading import JUDGE_PROBE, judge_request
 from art_doubles import GPUService, on_a_gpu_machine
 from scripted_server import call, expert_script, serve_in_thread
@@ -481,7 +481,7 @@ def test_a_damaged_run_config_is_one_error_and_does_not_hide_the_other_runs(tmp_
                 {**config, "episode": None, "max_tokens": 0}, {**config, "lora_rank": 8.5}]
     for content in (b"{not json", b"[1]", b"\xff\xfe", *(json.dumps(c).encode() for c in mistyped)):
         (bad / "run_config.json").write_bytes(content)
-        with pytest.raises(DataError, match="run_config.json is damaged"):
+        with pytest.raises(UserError, match="run_config.json is damaged"):
             runs.Run.load(bad)
         assert [run.name for run in runs.list_runs(str(tmp_path / "art"))] == ["good"]
     assert "skipping a run" in caplog.text

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import train_email_search_agent as cli
 from conftest import QWEN_STYLE_TEMPLATE
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.apps.export import export, rope_permute
 from email_agent.data.questions import select_questions
 from email_agent.agent.rollout import SYSTEM_PROMPT
@@ -51,14 +51,14 @@ def write_fake_adapter(folder: Path, base: str = "unsloth/qwen2.5-0.5b-instruct-
 
 def test_unknown_run_or_step_is_one_sentence(tmp_path):
     make_run(tmp_path, "qwen", "local", "Qwen/Qwen2.5-7B-Instruct", steps=(2, 5))
-    with pytest.raises(DataError, match=r"'nope' is not a training run .*runs there: qwen"):
+    with pytest.raises(UserError, match=r"'nope' is not a training run .*runs there: qwen"):
         export("nope", "lora", tmp_path / "out", art_dir=str(tmp_path))
-    with pytest.raises(DataError, match=r"no checkpoint '3'; it has 2, 5"):
+    with pytest.raises(UserError, match=r"no checkpoint '3'; it has 2, 5"):
         export("qwen@3", "lora", tmp_path / "out", art_dir=str(tmp_path))
     for spec in ("qwen@", "qwen@x"):
-        with pytest.raises(DataError, match="step"):
+        with pytest.raises(UserError, match="step"):
             export(spec, "lora", tmp_path / "out", art_dir=str(tmp_path))
-    with pytest.raises(DataError, match="choose one of lora, merged, gguf"):
+    with pytest.raises(UserError, match="choose one of lora, merged, gguf"):
         export("qwen", "onnx", tmp_path / "out", art_dir=str(tmp_path))
     assert not (tmp_path / "out").exists()
 
@@ -69,10 +69,10 @@ def test_damaged_or_incomplete_checkpoints_are_refused(tmp_path):
     weights = run / "checkpoints" / "0002" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])  # a copy cut short
     (run / "checkpoints" / "0003" / "adapter_config.json").write_text("{not json")
-    with pytest.raises(DataError, match="has no adapter_model.safetensors: it is incomplete"):
+    with pytest.raises(UserError, match="has no adapter_model.safetensors: it is incomplete"):
         export("qwen@1", "lora", tmp_path / "out", art_dir=str(tmp_path))
     for step in (2, 3):
-        with pytest.raises(DataError, match=f"checkpoint .*000{step} is damaged"):
+        with pytest.raises(UserError, match=f"checkpoint .*000{step} is damaged"):
             export(f"qwen@{step}", "lora", tmp_path / "out", art_dir=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["email-agent"]
 
@@ -82,13 +82,13 @@ def test_formats_and_flags_a_run_cannot_have_are_refused(tmp_path):
     make_run(tmp_path, "mine", "cpu", str(tmp_path), steps=(1,))  # a CPU run on a local transformers folder
     make_run(tmp_path, "cloud", "serverless", "OpenPipe/Qwen3-14B-Instruct")
     for spec in ("qwen", "mine"):
-        with pytest.raises(DataError, match="not SmolLM2's GGUF.*--format merged.*convert_hf_to_gguf.py"):
+        with pytest.raises(UserError, match="not SmolLM2's GGUF.*--format merged.*convert_hf_to_gguf.py"):
             export(spec, "gguf", tmp_path / "out", art_dir=str(tmp_path))
-    with pytest.raises(DataError, match="--base-model is for runs trained on a GPU"):
+    with pytest.raises(UserError, match="--base-model is for runs trained on a GPU"):
         export("mine", "merged", tmp_path / "out", art_dir=str(tmp_path), base_model=str(tmp_path))
-    with pytest.raises(DataError, match="--base-model .*not a folder"):
+    with pytest.raises(UserError, match="--base-model .*not a folder"):
         export("qwen", "merged", tmp_path / "out", art_dir=str(tmp_path), base_model=str(tmp_path / "nowhere"))
-    with pytest.raises(DataError, match="serverless backend, which keeps its checkpoints with the service"):
+    with pytest.raises(UserError, match="serverless backend, which keeps its checkpoints with the service"):
         export("cloud", "lora", tmp_path / "out", art_dir=str(tmp_path))
 
 
@@ -97,11 +97,11 @@ def test_an_output_in_use_is_refused_and_force_moves_it_aside(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(DataError, match="is not empty; .*--force"):
+    with pytest.raises(UserError, match="is not empty; .*--force"):
         export("qwen", "lora", out, art_dir=str(tmp_path))
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
     (tmp_path / "file").write_text("x")
-    with pytest.raises(DataError, match="is a file"):
+    with pytest.raises(UserError, match="is a file"):
         export("qwen", "lora", tmp_path / "file", art_dir=str(tmp_path))
 
     export("qwen", "lora", out, art_dir=str(tmp_path), force=True)
@@ -201,7 +201,7 @@ def test_gpu_run_merges_its_lora_into_the_base_with_peft(tmp_path, monkeypatch):
     peft.save_pretrained(run / "checkpoints" / "0004")
 
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no Hugging Face, without its retries
-    with pytest.raises(DataError, match="cannot load the base model Qwen/Qwen2.5-0.5B-Instruct: it is neither in the "
+    with pytest.raises(UserError, match="cannot load the base model Qwen/Qwen2.5-0.5B-Instruct: it is neither in the "
                                         "Hugging Face cache.*--base-model"):
         export("qwen", "merged", tmp_path / "out", art_dir=str(tmp_path))
     assert not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 from email_agent.data import generate, question_checks
 from email_agent.data.build import build_database
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import select_questions
 from scripted_server import serve_in_thread
@@ -165,7 +165,7 @@ def test_split_never_shares_an_email_between_train_and_test():
 
 def test_replies_that_never_parse_are_counted_and_all_failures_are_one_error(db_path, capsys):
     with serve_in_thread({"gen": lambda body: {"text": '{"answers": []}'}}) as server:
-        with pytest.raises(DataError, match='no usable reply for any of the first 3 batches '
+        with pytest.raises(UserError, match='no usable reply for any of the first 3 batches '
                                             '\\(reply has no "questions" list\\)'):
             generate.generate_questions(db_path, config(server.base_url), progress=False)
     assert len(server.requests) == 6 and stored(db_path) == []
@@ -178,7 +178,7 @@ def test_replies_that_never_parse_are_counted_and_all_failures_are_one_error(db_
 ])
 def test_odd_replies_of_a_server_are_retried_and_counted(db_path, reply, reason):
     with serve_in_thread({"gen": lambda body: reply}) as server:
-        with pytest.raises(DataError, match=f"no usable reply for any of the first 3 batches \\({reason}\\)"):
+        with pytest.raises(UserError, match=f"no usable reply for any of the first 3 batches \\({reason}\\)"):
             generate.generate_questions(db_path, config(server.base_url), progress=False)
     assert len(server.requests) == 6 and stored(db_path) == []
 
@@ -186,7 +186,7 @@ def test_odd_replies_of_a_server_are_retried_and_counted(db_path, reply, reason)
 def test_a_model_that_cannot_answer_stops_the_run_after_the_first_window(db_path):
     """A missing key or a wrong model name shows in the first replies: not after every batch has failed."""
     with serve_in_thread({"gen": lambda body: {"status": 401}}) as server:
-        with pytest.raises(DataError, match="for the first batch \\(API error: AuthenticationError\\)"):
+        with pytest.raises(UserError, match="for the first batch \\(API error: AuthenticationError\\)"):
             generate.generate_questions(db_path, config(server.base_url, concurrency=1), progress=False)
     assert len(server.requests) == 2  # one batch, its two tries; the other two batches never asked
 
@@ -281,7 +281,7 @@ def test_cli_errors_are_one_sentence_and_the_key_is_never_shown(db_path, tmp_pat
                                  dict(concurrency=0), dict(max_questions=-1), dict(min_realistic=1.5),
                                  dict(timeout=0.0), dict(timeout=float("nan"))])
 def test_bad_settings_are_one_sentence_errors_before_any_request(db_path, bad):
-    with pytest.raises(DataError, match="^--[a-z-]+ (must|and)"):
+    with pytest.raises(UserError, match="^--[a-z-]+ (must|and)"):
         generate.generate_questions(db_path, config("http://127.0.0.1:9/v1", **bad), progress=False)
     assert stored(db_path) == [] and not generate.cache_path(db_path).exists()
 
@@ -289,7 +289,7 @@ def test_bad_settings_are_one_sentence_errors_before_any_request(db_path, bad):
 def test_a_provider_key_missing_from_the_environment_stops_before_any_request(db_path, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     cfg = generate.GenerateConfig(model="openai/gpt-4.1", inboxes=[])
-    with pytest.raises(DataError, match="^openai/gpt-4.1 needs OPENAI_API_KEY in the environment"):
+    with pytest.raises(UserError, match="^openai/gpt-4.1 needs OPENAI_API_KEY in the environment"):
         generate.generate_questions(db_path, cfg, progress=False)
     assert stored(db_path) == []
     # a rerun whose every reply is cached asks nothing, so it needs no key

@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 
 from email_agent.agent import grading, rewards
 from email_agent.data import questions as qmod
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
 from scripted_server import ScriptedServer, expert_script
@@ -53,12 +53,12 @@ def test_reward_judge_is_the_judges_verdict_alone(demo_db, q, tmp_path, judge_re
 @pytest.mark.parametrize("mode", ["judge", "shaped"])
 def test_a_reward_that_needs_a_judge_is_refused_without_one(monkeypatch, tmp_path, mode, caplog):
     monkeypatch.delenv("JUDGE_MODEL", raising=False)
-    with pytest.raises(DataError, match=f"--reward {mode} needs a judge: pass --judge-model"):
+    with pytest.raises(UserError, match=f"--reward {mode} needs a judge: pass --judge-model"):
         grading.configure(mode, None, None, tmp_path)
     assert grading.configure(None, None, None, tmp_path) == ("offline", None)  # no judge: offline by default
     assert caplog.messages[-1] == ("no judge configured: answers are graded OFFLINE by normalised match against the "
                                    "gold answer (pass --judge-model for an LLM judge).")  # said loudly
-    with pytest.raises(DataError, match=re.escape("--reward must be one of offline, shaped, judge, ruler, not 'rlhf'")):
+    with pytest.raises(UserError, match=re.escape("--reward must be one of offline, shaped, judge, ruler, not 'rlhf'")):
         grading.configure("rlhf", None, None, tmp_path)
 
 

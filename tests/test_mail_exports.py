@@ -11,7 +11,7 @@ import pytest
 
 from email_agent.data import sources
 from email_agent.data.build import build_database
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.data.sources import normalize_email
 from email_agent.data.mime import decode_bytes, decode_header, html_to_text, message_body
@@ -211,7 +211,7 @@ def test_single_eml_and_outlook_archives(tmp_path):
     (tmp_path / "one.eml").write_bytes(OUTLOOK_MIXED.split(b"\r\n", 1)[1])
     assert list(records(tmp_path / "one.eml")) == ["<DM6PR01@outlook.com>"]
     (tmp_path / "Outlook.pst").write_bytes(b"!BDN....")
-    with pytest.raises(DataError, match="Outlook archive.*export the folders as mbox"):
+    with pytest.raises(UserError, match="Outlook archive.*export the folders as mbox"):
         sources.read_emails(tmp_path / "Outlook.pst")
 
 

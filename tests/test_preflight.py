@@ -231,19 +231,19 @@ def test_a_first_step_that_cannot_learn_stops_the_run_before_training_and_keeps_
 
 def test_preflight_trains_and_logs_nothing(demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, capsys):
     train_qs = qmod.select_questions(demo_db, "train", seed=0)
-    with pytest.raises(cli.DataError, match="^cannot learn: no assistant turn has logprobs"):
+    with pytest.raises(cli.UserError, match="^cannot learn: no assistant turn has logprobs"):
         run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
                  qwen_style_model_dir, preflight=True, sft_from="demo-expert")
     assert "preflight: 2 groups x 2 rollouts" in capsys.readouterr().out
     run = tmp_path / "email-agent/models/h"
     assert not run.exists()  # a preflight of a new run leaves no run behind (registering wrote its model.json)
     (run / "checkpoints").mkdir(parents=True, exist_ok=True)  # a run that exists
-    with pytest.raises(cli.DataError, match="^cannot learn"):
+    with pytest.raises(cli.UserError, match="^cannot learn"):
         run_loop(demo_db, demo_db_path, tmp_path, monkeypatch, {q.question: expert_script(q) for q in train_qs},
                  qwen_style_model_dir, preflight=True, sft_from="demo-expert")
     assert not (run / "history.jsonl").exists() and not (run / "state.json").exists()  # nothing marked done
     assert not (run / "run_config.json").exists() and (run / "checkpoints").is_dir()  # nor saved, nor deleted
-    with pytest.raises(cli.DataError, match="--preflight with --fresh would delete"):
+    with pytest.raises(cli.UserError, match="--preflight with --fresh would delete"):
         config.check(cli.TrainConfig(name="h", art_dir=str(tmp_path), db=str(demo_db_path), val_size=0,
                                      preflight=True, fresh=True))
 

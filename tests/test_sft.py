@@ -9,7 +9,7 @@ import pytest
 
 from email_agent.data import questions as qmod
 from email_agent.config import DEMO_PRESET, TrainConfig, check
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.agent.expert import question_keywords
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import assistant_message
@@ -121,7 +121,7 @@ def test_a_teacher_folder_with_unreadable_results(demo_db, tmp_path, caplog):
     folder = tmp_path / "a teacher"  # a space in the path is a path like any other
     folder.mkdir()
     (folder / "results.jsonl").write_text("junk\n")
-    with pytest.raises(DataError, match="results.jsonl holds no episodes"):
+    with pytest.raises(UserError, match="results.jsonl holds no episodes"):
         teacher_trajectories(folder, demo_db)
     (folder / "results.jsonl").write_text(json.dumps(record(train_id)) + "\n" + json.dumps(record(train_id))[:50])
     with caplog.at_level(logging.WARNING, logger="email_agent"):
@@ -146,13 +146,13 @@ def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, c
 
 
 def test_bad_sources_are_clear_errors(demo_db, tmp_path):
-    with pytest.raises(DataError, match="expected 'expert'"):
+    with pytest.raises(UserError, match="expected 'expert'"):
         sft_source("no-such-thing", demo_db, [], Episode())
     for name in ("expert", "demo-expert"):  # the expert's names pass the checks made before anything loads
         check(TrainConfig(sft_from=name, sft_only=True))
-    with pytest.raises(DataError, match="expected 'expert' or an evaluation folder"):
+    with pytest.raises(UserError, match="expected 'expert' or an evaluation folder"):
         check(TrainConfig(sft_from="experts", sft_only=True))
-    with pytest.raises(DataError, match="results.jsonl"):
+    with pytest.raises(UserError, match="results.jsonl"):
         asyncio.run(sft_source(str(tmp_path), demo_db, [], Episode()))
 
 
@@ -245,6 +245,6 @@ def test_templates_the_trainer_cannot_read_are_refused_in_one_sentence(smollm2_t
     tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
                                "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}<|im_end|>\n"
                                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(DataError, match=r"^Base model 'odd': its chat template does not render") as error:
+    with pytest.raises(UserError, match=r"^Base model 'odd': its chat template does not render") as error:
         check_chat_template(tokenizer, "odd")
     assert "\n" not in str(error.value)

@@ -156,12 +156,12 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     runs.start(cli.run_dir(cfg), config.saved_config(cfg, "cpu"))
     (cli.run_dir(cfg) / "checkpoints").mkdir()
     changed = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b")
-    with pytest.raises(cli.DataError, match="pass --base-model a to resume it [(]--fresh would delete the run"):
+    with pytest.raises(cli.UserError, match="pass --base-model a to resume it [(]--fresh would delete the run"):
         runs.start(cli.run_dir(cfg), config.saved_config(changed, "cpu"))
     runs.start(cli.run_dir(cfg), config.saved_config(changed, "cpu"), fresh=True)
     # what picks the questions and the episode shape stays; rates and steps may change
     for other in (dict(seed=5), dict(val_size=0), dict(max_turns=9), dict(db="/elsewhere/me.db")):
-        with pytest.raises(cli.DataError, match=f"was trained with --{next(iter(other)).replace('_', '-')} "):
+        with pytest.raises(cli.UserError, match=f"was trained with --{next(iter(other)).replace('_', '-')} "):
             runs.check_resumable(cli.run_dir(cfg), config.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
                                                                      "cpu"))
     runs.check_resumable(cli.run_dir(cfg), config.saved_config(cli.TrainConfig(**{**vars(changed),
@@ -171,7 +171,7 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     wider = config.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
     runs.check_resumable(cli.run_dir(cfg), wider)
     (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
-    with pytest.raises(cli.DataError, match="was trained with --groups-per-step 12, not --groups-per-step 6; pass "
+    with pytest.raises(cli.UserError, match="was trained with --groups-per-step 12, not --groups-per-step 6; pass "
                                             "--groups-per-step 12 to resume it"):
         runs.check_resumable(cli.run_dir(cfg), wider)
     assert not (cli.run_dir(cfg) / "checkpoints").exists()
@@ -512,7 +512,7 @@ def test_a_damaged_state_file_is_one_error_before_any_model_loads(tmp_path):
                              ('{"sft_start_step": -2}', "sft_start_step is -2"),
                              ('{"sft_done": 1}', "sft_done is 1, not a bool")):
         (folder / "state.json").write_text(content)
-        with pytest.raises(cli.DataError, match=re.escape(problem)):
+        with pytest.raises(cli.UserError, match=re.escape(problem)):
             runs.read_state(folder)
     (folder / "state.json").write_text('{"sft_start_step": 0, "sft_done": true, "sft_steps": 2, "other": [1]}')
     assert runs.read_state(folder)["sft_steps"] == 2  # keys of others are left alone
@@ -528,7 +528,7 @@ def test_run_state_is_checked_against_the_checkpoints(tmp_path, capsys):
     # the state deleted after a warm start: where it ended is unknown
     folder.mkdir(parents=True)
     (folder / "history.jsonl").write_text('{"step": 3, "train/sft_epoch": 3}\n')
-    with pytest.raises(cli.DataError, match="no state.json, so where its warm start ended is unknown"):
+    with pytest.raises(cli.UserError, match="no state.json, so where its warm start ended is unknown"):
         asyncio.run(runs.check_state(folder, {}, SFTRecorder({"step": 5, "state": {}})))
     # a run trained with GRPO alone has no state: nothing to check
     (folder / "history.jsonl").write_text('{"step": 5, "train/reward": 0.5}\n')
@@ -700,7 +700,7 @@ def test_a_mistyped_cpu_dtype_is_refused_before_the_run_starts(demo_db_path, tmp
     message = ("EMAIL_AGENT_CPU_DTYPE='bf16' is not a dtype the CPU backend runs in: set it to float32 or bfloat16, "
                "or unset it to let the backend choose")
     assert capsys.readouterr().err.strip() == f"Error: {message}" and not any(tmp_path.iterdir())
-    with pytest.raises(cli.DataError, match=re.escape(message)):  # the trainer reads the same list
+    with pytest.raises(cli.UserError, match=re.escape(message)):  # the trainer reads the same list
         model.inference_dtype()
     monkeypatch.setenv("EMAIL_AGENT_CPU_DTYPE", "float32")
     assert model.inference_dtype() is torch.float32
@@ -727,7 +727,7 @@ def test_untrained_smollm2_on_a_cpu_is_refused_at_once(demo_db_path, tmp_path, c
     resumed = cli.config_from_args(cli.make_parser().parse_args(
         ["train", "--demo", "--art-dir", str(tmp_path), "--sft-from", ""]))
     config.check_warm_start(resumed)
-    with pytest.raises(cli.DataError, match="--train-anyway"):  # unless --fresh starts it over
+    with pytest.raises(cli.UserError, match="--train-anyway"):  # unless --fresh starts it over
         config.check_warm_start(replace(resumed, fresh=True))
 
 

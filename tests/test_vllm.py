@@ -37,7 +37,7 @@ from email_agent.training import training_data
 from email_agent.data import questions as qmod
 from email_agent.backends import vllm_server
 from email_agent.backends.cpu import CPUBackend
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
 from email_agent.training.warm_start import expert_trajectories
@@ -303,7 +303,7 @@ def test_a_running_server_that_serves_another_model_is_refused_in_one_sentence(t
             pass
 
     with serve_in_thread({}, models=["other-model"]) as scripted:
-        with pytest.raises(DataError, match=f"serves other-model .*, not {tmp_path / 'model'}.*unset "
+        with pytest.raises(UserError, match=f"serves other-model .*, not {tmp_path / 'model'}.*unset "
                                             f"{vllm_server.URL_ENV}") as refused:
             asyncio.run(attach(scripted.base_url))
         assert scripted.base_url in str(refused.value)
@@ -364,12 +364,12 @@ def test_the_lora_plugin_computes_what_vllms_own_cpu_ops_compute():
 
 
 def test_a_server_that_stops_answering_is_named_in_one_sentence_with_its_log(tmp_path):
-    """A LoRA load that finds no server (vLLM died mid-run, or one of EMAIL_AGENT_VLLM_URL went away) is a DataError
+    """A LoRA load that finds no server (vLLM died mid-run, or one of EMAIL_AGENT_VLLM_URL went away) is a UserError
     that says which server and where to look, not httpx's traceback."""
     port = vllm_server.free_port()  # nothing listens there once the probe socket is closed
     gone = vllm_server.VLLMServer(tmp_path / "model", "base", chat_template="", log_path=tmp_path / "log",
                                   url=f"http://127.0.0.1:{port}/v1")
-    with pytest.raises(DataError, match=rf"vLLM did not answer when asked to load the LoRA .* as agent@2 "
+    with pytest.raises(UserError, match=rf"vLLM did not answer when asked to load the LoRA .* as agent@2 "
                                         rf"\(ConnectError: .*\): the server at http://127\.0\.0\.1:{port}/v1 "
                                         rf"\({vllm_server.URL_ENV}\) may have stopped"):
         asyncio.run(gone.load_lora("agent@2", str(tmp_path / "ckpt")))

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import day_start
 from email_agent.data.sources import SkipRecord, normalize_email, read_emails
 from email_agent.data.generate import assign_splits
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     try:
         emails = load_emails(args.emails)
         kept, dropped = assemble(read_drafts(paths), emails)
-    except DataError as exc:
+    except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

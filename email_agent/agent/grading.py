@@ -24,7 +24,7 @@ import tenacity
 
 from email_agent.agent import rewards
 from email_agent.agent.rewards import REWARD_MODES, Rubric
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.redact import redact
 
 if TYPE_CHECKING:  # annotations only: episode imports this module's judge for its own
@@ -216,11 +216,11 @@ class LLMJudge:
     async def probe(self) -> None:
         """One uncached verdict before any real work. A judge that cannot run (no key, an unknown model, a dead
         --judge-base-url) would otherwise grade every answer offline, each after its retries, and the summary
-        would look like a judge's; raises DataError instead."""
+        would look like a judge's; raises UserError instead."""
         try:
             await self._ask(*JUDGE_PROBE)
         except JudgeFailed as exc:
-            raise DataError(f"{exc}; check --judge-model, --judge-base-url and the judge's API key "
+            raise UserError(f"{exc}; check --judge-model, --judge-base-url and the judge's API key "
                             "(JUDGE_API_KEY, or the provider's own variable such as OPENAI_API_KEY)") from None
 
     async def _ask(self, question: str, gold: str, answer: str) -> Verdict:
@@ -317,9 +317,9 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
                          api_key=os.environ.get("JUDGE_API_KEY"), cache_path=Path(cache_dir) / "judge_cache.jsonl")
     mode = mode or ("shaped" if judge else "offline")
     if mode not in REWARD_MODES:
-        raise DataError(f"--reward must be one of {', '.join(REWARD_MODES)}, not {mode!r}")
+        raise UserError(f"--reward must be one of {', '.join(REWARD_MODES)}, not {mode!r}")
     if mode in ("judge", "shaped") and judge is None:
-        raise DataError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), "
+        raise UserError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), "
                         "or use --reward offline.")
     if judge is None and mode != "ruler":  # RULER's reward needs no answer judge (`describe` says what is used)
         log.warning("no judge configured: answers are graded OFFLINE by normalised match against the gold answer "

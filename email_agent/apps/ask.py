@@ -19,7 +19,7 @@ from email_agent.evaluation.serving import Servers
 from email_agent.agent.episode import Episode
 from email_agent import runs
 from email_agent.runs import ART_DIR
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import Email, EmailDB, check_day, day_after
 from email_agent.data.questions import Question
 
@@ -27,7 +27,7 @@ from email_agent.data.questions import Question
 def adhoc_question(db: EmailDB, text: str, inbox: str, as_of: str | None) -> Question:
     """A question asked with `ask`: no gold answer or emails, so the rollout grades nothing."""
     if not text.strip():
-        raise DataError("the question is empty.")
+        raise UserError("the question is empty.")
     db.require_inbox(inbox)
     return Question("ask", text.strip(), "", [], None, inbox.strip().lower(), query_day(as_of), "ask")
 
@@ -98,7 +98,7 @@ async def answer_question(contestant: players.Contestant, question: Question, db
     config = contestant.episode(Episode(grounded_answers=grounded_answers))
     traj = await rollout(contestant.policy, question, db, config, on_call=record)
     if traj.metadata.get("error"):
-        raise DataError(f"{contestant.label} failed: {traj.metadata['error']}")
+        raise UserError(f"{contestant.label} failed: {traj.metadata['error']}")
     sources = json.loads(traj.metadata["sources"])
     visible = day_after(question.query_date)
     cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]

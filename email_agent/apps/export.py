@@ -24,7 +24,7 @@ from email_agent.runs import ART_DIR
 from email_agent.agent.tools import TOOLS
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.backends.readiness import vllm_lora_rank
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.runs import Run, find_run, is_step, list_runs
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def export(spec: str, fmt: str, output: str | os.PathLike, *, art_dir: str = ART
     OUTPUT.old-<time> (never deleted). `base_model`: where to load a GPU run's base model from (a local folder),
     when its Hugging Face id is neither cached nor downloadable here."""
     if fmt not in FORMATS:
-        raise DataError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+        raise UserError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     run, step, checkpoint = find_checkpoint(spec, art_dir)
     check_format(run, fmt, base_model)
     check_adapter(checkpoint)
@@ -76,28 +76,28 @@ def find_checkpoint(spec: str, art_dir: str = ART_DIR) -> tuple[Run, int, Path]:
     """RUN / RUN@STEP / RUN@latest (a run's name under art_dir or its folder) -> (run, step, checkpoint folder)."""
     name, at, step = spec.partition("@")
     if at and not step:
-        raise DataError(f"--model {spec}: give a step after '@' (a number or 'latest'), or leave '@' out")
+        raise UserError(f"--model {spec}: give a step after '@' (a number or 'latest'), or leave '@' out")
     if step not in ("", "latest") and not is_step(step):
-        raise DataError(f"--model {spec}: a step is a number or 'latest'")
+        raise UserError(f"--model {spec}: a step is a number or 'latest'")
     run = find_run(name, art_dir)
     if run is None:
         known = ", ".join(r.name for r in list_runs(art_dir)) or "none"
-        raise DataError(f"--model {name!r} is not a training run under {art_dir}/*/models/ (runs there: {known})")
+        raise UserError(f"--model {name!r} is not a training run under {art_dir}/*/models/ (runs there: {known})")
     if run.backend not in ("cpu", "local"):
-        raise DataError(f"run {run.name!r} was trained on the {run.backend} backend, which keeps its checkpoints "
+        raise UserError(f"run {run.name!r} was trained on the {run.backend} backend, which keeps its checkpoints "
                         f"with the service; export covers runs trained on the cpu and local backends")
     number, folder = run.checkpoint(step)
     return run, number, folder
 
 
 def check_adapter(folder: Path) -> None:
-    """A DataError unless `folder` holds a readable PEFT LoRA adapter (its config and complete weights)."""
+    """A UserError unless `folder` holds a readable PEFT LoRA adapter (its config and complete weights)."""
     # here: the only reader of safetensors in this module (its safe_open(framework="pt") loads torch when called)
     from safetensors import safe_open
 
     missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
     if missing:
-        raise DataError(f"checkpoint {folder} has no {' or '.join(missing)}: it is incomplete; export another step")
+        raise UserError(f"checkpoint {folder} has no {' or '.join(missing)}: it is incomplete; export another step")
     try:
         config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
         if not isinstance(config, dict) or config.get("peft_type") != "LORA":
@@ -106,7 +106,7 @@ def check_adapter(folder: Path) -> None:
             if not list(weights.keys()):
                 raise ValueError("no tensors")
     except Exception as error:  # noqa: BLE001 (whatever a damaged JSON or safetensors file raises)
-        raise DataError(f"checkpoint {folder} is damaged ({type(error).__name__}: {error}); export another "
+        raise UserError(f"checkpoint {folder} is damaged ({type(error).__name__}: {error}); export another "
                         f"step") from None
 
 
@@ -114,12 +114,12 @@ def check_format(run: Run, fmt: str, base_model: str | None) -> None:
     """Formats and flags a run's backend and base model allow."""
     if base_model is not None:
         if run.backend == "cpu":
-            raise DataError("--base-model is for runs trained on a GPU: a CPU run's base model is loaded as it was "
+            raise UserError("--base-model is for runs trained on a GPU: a CPU run's base model is loaded as it was "
                             "trained")
         if not Path(base_model).is_dir():
-            raise DataError(f"--base-model {base_model}: not a folder (a transformers model folder is expected)")
+            raise UserError(f"--base-model {base_model}: not a folder (a transformers model folder is expected)")
     if fmt == "gguf" and not is_smollm2_gguf(run):
-        raise DataError(f"run {run.name!r} is on {run.base_model}, not a GGUF the CPU backend loads (SmolLM2's, "
+        raise UserError(f"run {run.name!r} is on {run.base_model}, not a GGUF the CPU backend loads (SmolLM2's, "
                         f"Qwen2.5's): --format gguf rewrites those GGUFs only. Export --format merged, then convert "
                         f"that folder with llama.cpp's "
                         f"convert_hf_to_gguf.py (python convert_hf_to_gguf.py DIR --outtype f16)")
@@ -142,16 +142,16 @@ def is_qwen25_gguf(run: Run) -> bool:
 def check_output(output: Path, force: bool) -> Path:
     """The output folder, checked before anything loads: not a file; empty or absent unless `force`."""
     if output.exists() and not output.is_dir():
-        raise DataError(f"--output {output} is a file; give a folder")
+        raise UserError(f"--output {output} is a file; give a folder")
     if output.is_dir() and any(output.iterdir()) and not force:
-        raise DataError(f"--output {output} is not empty; give a new folder, or add --force to move what is "
+        raise UserError(f"--output {output} is not empty; give a new folder, or add --force to move what is "
                         f"there aside (to {output.name}.old-<time>) and write the export in its place")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise DataError(f"--output {output}: cannot create its parent folder ({error.strerror or error})") from None
+        raise UserError(f"--output {output}: cannot create its parent folder ({error.strerror or error})") from None
     if not os.access(output.parent, os.W_OK):
-        raise DataError(f"--output {output}: its folder {output.parent} is not writable")
+        raise UserError(f"--output {output}: its folder {output.parent} is not writable")
     return output
 
 
@@ -214,7 +214,7 @@ def merged_model(run: Run, checkpoint: Path, base_model: str | None):
 
         log.info("loading %s as the CPU backend trained on it (float32)", run.base_model)
         model, tokenizer = load_base_model(run.base_model)
-        model = load_merged(model, str(checkpoint))  # a CheckpointError (a DataError) if it does not fit
+        model = load_merged(model, str(checkpoint))  # a CheckpointError (a UserError) if it does not fit
         model.set_attn_implementation("sdpa")  # the trainer's own attention is registered in this process only
         return model, tokenizer
 
@@ -233,14 +233,14 @@ def merged_model(run: Run, checkpoint: Path, base_model: str | None):
         log.info("loaded %s (%s)", source, model.dtype)
         tokenizer = AutoTokenizer.from_pretrained(checkpoint if has_tokenizer else source)
     except Exception as error:  # noqa: BLE001 (the hub's offline and not-found errors have no common type)
-        raise DataError(f"cannot load the base model {source}: it is neither in the Hugging Face cache nor "
+        raise UserError(f"cannot load the base model {source}: it is neither in the Hugging Face cache nor "
                         f"downloadable here ({type(error).__name__}: {' '.join(str(error).split())[:150]}); "
                         f"download it where Hugging Face is reachable (hf download {run.base_model}) and copy the "
                         f"cache, or pass its folder with --base-model") from None
     try:
         model = PeftModel.from_pretrained(model, str(checkpoint)).merge_and_unload()
     except Exception as error:  # noqa: BLE001 (peft's errors for an adapter that does not fit this base)
-        raise DataError(f"the LoRA in {checkpoint} does not fit {source} ({type(error).__name__}: {error})") from None
+        raise UserError(f"the LoRA in {checkpoint} does not fit {source} ({type(error).__name__}: {error})") from None
     return model, tokenizer
 
 
@@ -299,7 +299,7 @@ def write_gguf(run: Run, step: int, model, tokenizer, folder: Path) -> None:
         weights[gguf_name] = array
     expected = [tensor.name for tensor in source.tensors]
     if sorted(weights) != sorted(expected):  # a base this code does not know: refuse rather than write a wrong file
-        raise DataError(f"the merged model's weights do not map onto {run.base_model}'s GGUF tensors; export "
+        raise UserError(f"the merged model's weights do not map onto {run.base_model}'s GGUF tensors; export "
                         f"--format merged and convert it with llama.cpp's convert_hf_to_gguf.py instead")
     for name in expected:  # the source file's order
         writer.add_tensor(name, weights[name])

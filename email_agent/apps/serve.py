@@ -23,7 +23,7 @@ from email_agent.evaluation import players
 from email_agent.evaluation.serving import Servers
 from email_agent.agent import tools
 from email_agent.runs import ART_DIR
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 
 log = logging.getLogger(__name__)
@@ -68,17 +68,17 @@ class Scope:
             raise ToolError(f"inbox {address!r} is not one this server may use; it allows {', '.join(self.allowed)}.")
         try:
             self.db.require_inbox(address)
-        except DataError as exc:
+        except UserError as exc:
             raise ToolError(str(exc)) from None
         return address
 
 
 def parse_http(value: str) -> tuple[str, int]:
-    """--http HOST:PORT (PORT alone: 127.0.0.1; [::1]:PORT for IPv6) -> (host, port), or a DataError."""
+    """--http HOST:PORT (PORT alone: 127.0.0.1; [::1]:PORT for IPv6) -> (host, port), or a UserError."""
     host, colon, port = value.rpartition(":")
     host = host.strip("[]") if colon else ""
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise DataError(f"--http takes HOST:PORT such as 127.0.0.1:8765, not {value!r}")
+        raise UserError(f"--http takes HOST:PORT such as 127.0.0.1:8765, not {value!r}")
     return host or "127.0.0.1", int(port)
 
 
@@ -95,11 +95,11 @@ def check_settings(settings: Settings) -> None:
     """What can be refused before the model loads: a bind others can reach without a token, a stray token."""
     if settings.http is None:
         if settings.token:
-            raise DataError("--token guards the HTTP transport; give --http HOST:PORT too (stdio needs no token)")
+            raise UserError("--token guards the HTTP transport; give --http HOST:PORT too (stdio needs no token)")
         return
     host, _ = parse_http(settings.http)
     if not is_loopback(host) and not settings.token:
-        raise DataError(f"--http {settings.http} is reachable from other machines: give --token (or set {TOKEN_ENV}) "
+        raise UserError(f"--http {settings.http} is reachable from other machines: give --token (or set {TOKEN_ENV}) "
                         f"so that only clients with it are served, or bind 127.0.0.1")
 
 
@@ -154,7 +154,7 @@ def add_ask_tool(server, contestant: players.Contestant, scope: Scope, grounded_
                 await players.probe(contestant)
                 ready = True
             result = await ask.answer_question(contestant, asked, scope.db, grounded_answers)
-        except DataError as exc:
+        except UserError as exc:
             raise ToolError(str(exc)) from None
         return result.to_json()
 
@@ -210,7 +210,7 @@ def tool_day(as_of: str | None) -> str:
 
     try:
         return ask.query_day(as_of, "as_of")
-    except DataError as exc:
+    except UserError as exc:
         raise ToolError(str(exc)) from None
 
 
@@ -264,7 +264,7 @@ async def serve(settings: Settings) -> None:
         ready = True
         try:
             await players.probe(contestant)
-        except DataError as exc:
+        except UserError as exc:
             ready = False
             log.warning("%s (ask_inbox fails until it answers; search_inbox and read_email work)", exc)
         server = make_server(contestant, scope, settings.grounded_answers, ready)
@@ -281,7 +281,7 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as exc:
-        raise DataError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 async def serve_http(server, sock: socket.socket, token: str | None) -> None:
@@ -318,7 +318,7 @@ def add_arguments(p, default_db: str) -> None:
 def settings_from_args(args, default_db: str) -> Settings:
     for flag in ("max_turns", "max_tokens", "concurrency"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     options = players.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key,
                                  concurrency=args.concurrency,
                                  shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})

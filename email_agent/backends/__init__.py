@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.runs import ART_DIR, run_path
 from email_agent.backends import readiness
 from email_agent.backends.vllm_server import lora_engine_args
@@ -28,7 +28,7 @@ LOCAL_MAX_LORAS = 2  # ART 0.5.18's own default: the latest step and one more
 CPU_DTYPES = ("float32", "bfloat16")  # what EMAIL_AGENT_CPU_DTYPE may name: the CPU backend's inference dtype
 
 
-class BackendError(DataError):
+class BackendError(UserError):
     """A backend that cannot start here, worded for the user (one sentence, no traceback)."""
 
 
@@ -72,11 +72,11 @@ def cuda_available() -> bool:
 
 
 def cpu_dtype(environ=os.environ) -> str:
-    """EMAIL_AGENT_CPU_DTYPE, one of CPU_DTYPES ('' when unset: the CPU backend chooses); a DataError for anything
+    """EMAIL_AGENT_CPU_DTYPE, one of CPU_DTYPES ('' when unset: the CPU backend chooses); a UserError for anything
     else, which `config.check` raises before a run starts (the trainer reads it only at its first update)."""
     chosen = environ.get("EMAIL_AGENT_CPU_DTYPE", "")
     if chosen and chosen not in CPU_DTYPES:
-        raise DataError(f"EMAIL_AGENT_CPU_DTYPE={chosen!r} is not a dtype the CPU backend runs in: set it to "
+        raise UserError(f"EMAIL_AGENT_CPU_DTYPE={chosen!r} is not a dtype the CPU backend runs in: set it to "
                         f"{' or '.join(CPU_DTYPES)}, or unset it to let the backend choose")
     return chosen
 

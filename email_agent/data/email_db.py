@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterable
 from urllib.parse import quote
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 
 
 MAX_SEARCH_RESULTS = 20  # search_inbox clamps max_results to this instead of failing the call
@@ -172,7 +172,7 @@ def check_day(flag: str, day: str | None) -> str | None:
                 raise ValueError  # to the message below
             datetime.fromisoformat(day.strip())
         except ValueError:
-            raise DataError(f"{flag} must be a date like 2001-05-31, not {day!r}") from None
+            raise UserError(f"{flag} must be a date like 2001-05-31, not {day!r}") from None
     return day
 
 
@@ -197,7 +197,7 @@ class EmailDB:
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         if not path.is_file():
-            raise DataError(f"No database at {path}; run `python train_email_search_agent.py build-db` first.")
+            raise UserError(f"No database at {path}; run `python train_email_search_agent.py build-db` first.")
         self.path = path
         self.conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, check_same_thread=False)
         try:
@@ -205,7 +205,7 @@ class EmailDB:
                 self.conn.execute(f"SELECT {columns} FROM {table} LIMIT 0").fetchall()
         except sqlite3.DatabaseError as exc:
             self.conn.close()
-            raise DataError(f"{path} cannot be read as an email database of this tool ({exc}): it is another "
+            raise UserError(f"{path} cannot be read as an email database of this tool ({exc}): it is another "
                             f"program's, from an older version, or damaged; rebuild it with build-db.") from exc
 
     def close(self) -> None:
@@ -225,10 +225,10 @@ class EmailDB:
                                  (n,)).fetchall()
 
     def require_inbox(self, address: str) -> None:
-        """DataError naming the largest inboxes when `address` has no mail at all: a typo, not an empty result."""
+        """UserError naming the largest inboxes when `address` has no mail at all: a typo, not an empty result."""
         if self.inbox_size(address) == 0:
             known = ", ".join(f"{inbox} ({count})" for inbox, count in self.largest_inboxes(5))
-            raise DataError(f"{self.path} has no mail sent or received by {address!r}; its largest inboxes: {known}.")
+            raise UserError(f"{self.path} has no mail sent or received by {address!r}; its largest inboxes: {known}.")
 
     def search(self, inbox: str, keywords: Iterable[str], *, from_address: str | None = None,
                to_address: str | None = None, sent_after: str | None = None, sent_before: str | None = None,
@@ -274,15 +274,15 @@ class EmailDB:
         return [SearchResult(*row) for row in self.conn.execute(sql, params)]
 
     def read_or_explain(self, message_id: str, *, inbox: str | None = None, as_of: str | None = None) -> Email:
-        """`read` for a person: a DataError saying why there is no such email, or what hides it."""
+        """`read` for a person: a UserError saying why there is no such email, or what hides it."""
         email = self.read(message_id, inbox=inbox, visible_until=visible_until(as_of))
         if email is not None:
             return email
         if self.read(message_id) is None:
             hint = "" if message_id.startswith("<") else f" (ids are written with angle brackets: '<{message_id}>')"
-            raise DataError(f"No email with message_id {message_id!r}{hint}.")
+            raise UserError(f"No email with message_id {message_id!r}{hint}.")
         hidden = [f"--inbox {inbox}" if inbox else "", f"--as-of {as_of}" if as_of else ""]
-        raise DataError(f"Email {message_id!r} exists, but {' '.join(filter(None, hidden))} hides it (not that "
+        raise UserError(f"Email {message_id!r} exists, but {' '.join(filter(None, hidden))} hides it (not that "
                         "inbox's, or sent after that day).")
 
     def read(self, message_id: str, *, inbox: str | None = None, visible_until: str | None = None) -> Email | None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from email_agent.data.question_checks import Reject, assign_splits, check_candidate, is_near_duplicate, words
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.redact import redact
 
 log = logging.getLogger(__name__)
@@ -129,14 +129,14 @@ def open_for_writing(db_path: str | Path) -> sqlite3.Connection:
     the rollback journal lets them in until the single short commit at the end, which waits for them."""
     path = Path(db_path)
     if not path.is_file():
-        raise DataError(f"No database at {path}; run `python train_email_search_agent.py build-db --emails ...` first.")
+        raise UserError(f"No database at {path}; run `python train_email_search_agent.py build-db --emails ...` first.")
     conn = sqlite3.connect(path, timeout=60, isolation_level=None)
     try:
         for table in ("emails", "mailbox", "recipients", "questions"):  # one at a time: a join of them is a scan
             conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchall()
     except sqlite3.DatabaseError as exc:
         conn.close()
-        raise DataError(f"{path} is not an email database built by this tool ({exc}); "
+        raise UserError(f"{path} is not an email database built by this tool ({exc}); "
                         "rebuild it with build-db.") from None
     return conn
 
@@ -150,7 +150,7 @@ def pick_inboxes(conn, wanted: list[str]) -> list[str]:
     for address in wanted:
         address = address.strip().lower()
         if conn.execute("SELECT 1 FROM mailbox WHERE address = ? LIMIT 1", (address,)).fetchone() is None:
-            raise DataError(f"No mail sent or received by {address} in this database; the largest inboxes are "
+            raise UserError(f"No mail sent or received by {address} in this database; the largest inboxes are "
                             f"{', '.join(largest)}.")
         inboxes.append(address)
     return inboxes
@@ -317,19 +317,19 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
 def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bool = True) -> GenerateSummary:
     """Generate, validate, split and store questions for cfg.inboxes; see the module docstring for guarantees."""
     if not 0 <= cfg.test_fraction < 1:
-        raise DataError(f"--test-fraction must be in [0, 1), not {cfg.test_fraction}")
+        raise UserError(f"--test-fraction must be in [0, 1), not {cfg.test_fraction}")
     if cfg.batch_size < 1 or cfg.concurrency < 1 or cfg.max_questions < 0:
-        raise DataError("--batch-size and --concurrency must be at least 1, and --max-questions at least 0")
+        raise UserError("--batch-size and --concurrency must be at least 1, and --max-questions at least 0")
     if not 0 <= cfg.min_realistic <= 1:
-        raise DataError(f"--min-realistic must be in [0, 1], not {cfg.min_realistic}")
+        raise UserError(f"--min-realistic must be in [0, 1], not {cfg.min_realistic}")
     if not 0 < cfg.timeout < math.inf:
-        raise DataError(f"--timeout must be above 0 seconds, not {cfg.timeout}")
+        raise UserError(f"--timeout must be above 0 seconds, not {cfg.timeout}")
     conn = open_for_writing(db_path)
     try:
         summary = GenerateSummary(inboxes=pick_inboxes(conn, cfg.inboxes))
         batches = make_batches(conn, summary.inboxes, cfg.batch_size, cfg.seed)
         if not batches:
-            raise DataError(f"No emails with a body in the inbox of {', '.join(summary.inboxes)}.")
+            raise UserError(f"No emails with a body in the inbox of {', '.join(summary.inboxes)}.")
         stored = [] if cfg.replace else stored_questions(conn)
         cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
         if any(batch.key(cfg) not in cache.replies for batch in batches):  # a rerun read from the cache needs none
@@ -359,7 +359,7 @@ def check_key(cfg: GenerateConfig) -> None:
 
     missing = litellm.validate_environment(cfg.model).get("missing_keys")
     if missing:
-        raise DataError(f"{cfg.model} needs {' or '.join(missing)} in the environment (or QUESTIONS_API_KEY); "
+        raise UserError(f"{cfg.model} needs {' or '.join(missing)} in the environment (or QUESTIONS_API_KEY); "
                         "nothing was asked")
 
 
@@ -417,7 +417,7 @@ async def _run(batches, conn, cfg, cache, stored, summary, progress) -> list[dic
                     seen.setdefault(q["inbox"], []).append(ws)
                     accepted.append(q)
             if sum(summary.failed_batches.values()) == summary.batches:  # the whole first window failed
-                raise DataError(no_usable_reply(cfg, summary))
+                raise UserError(no_usable_reply(cfg, summary))
             known = [c for c in costs if c is not None]
             summary.cost_usd = sum(known) if known or not costs else None  # nothing asked: nothing spent
             bar.set_postfix_str(f"accepted={len(accepted)} rejected={sum(summary.rejected.values())}"

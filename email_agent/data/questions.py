@@ -15,7 +15,7 @@ from datetime import date, timedelta
 from pathlib import Path
 from typing import Iterator
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.data.sources import read_jsonl, read_parquet
 
@@ -87,9 +87,9 @@ def read_questions(path: str | Path) -> Iterator[dict]:
     """A local question file (.jsonl(.gz) or .parquet) with the Hugging Face schema (+ optional `split`)."""
     path = Path(path)
     if path.is_dir():
-        raise DataError(f"--questions {path} is a folder; give the questions file (.jsonl, .jsonl.gz or .parquet)")
+        raise UserError(f"--questions {path} is a folder; give the questions file (.jsonl, .jsonl.gz or .parquet)")
     if not path.is_file():
-        raise DataError(f"No such question file: {path}")
+        raise UserError(f"No such question file: {path}")
     if path.name.lower().endswith(".parquet"):
         return read_parquet(path)
     return read_jsonl(path)
@@ -171,6 +171,6 @@ def training_questions(db: EmailDB, cfg) -> tuple[list[Question], list[Question]
     train = train[:cfg.train_limit] if cfg.train_limit else train
     if not train:
         held_out = f"after holding out {cfg.val_size} for validation: a smaller --val-size, or " if cfg.val_size else ""
-        raise DataError(f"No answerable training questions in {cfg.db} ({held_out}write some with "
+        raise UserError(f"No answerable training questions in {cfg.db} ({held_out}write some with "
                         f"`python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`).")
     return val, train, with_unanswerable(train, db, cfg.unanswerable_share, cfg.seed)

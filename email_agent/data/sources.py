@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from email_agent.data.mime import decode_header, message_body
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 
 
 class SkipRecord(Exception):
@@ -177,7 +177,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
                 try:
                     line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a byte-order mark is not JSON
                 except UnicodeDecodeError as exc:  # a binary file or another encoding: not worth reading on
-                    raise DataError(f"{path}: line {line_no} is not UTF-8 ({exc.reason} at byte {exc.start}); "
+                    raise UserError(f"{path}: line {line_no} is not UTF-8 ({exc.reason} at byte {exc.start}); "
                                     "JSON Lines are UTF-8 text") from None
                 if not line.strip():
                     continue
@@ -186,7 +186,7 @@ def read_jsonl(path: Path) -> Iterator[dict]:
                 except json.JSONDecodeError:
                     yield {"_error": f"line {line_no} is not JSON"}
     except (gzip.BadGzipFile, EOFError) as exc:  # not gzip, or cut off
-        raise DataError(f"{path} is not a complete gzip file (after line {line_no}: {exc})") from None
+        raise UserError(f"{path} is not a complete gzip file (after line {line_no}: {exc})") from None
 
 
 def read_parquet(path: Path) -> Iterator[dict]:
@@ -198,7 +198,7 @@ def read_parquet(path: Path) -> Iterator[dict]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=2048):
             yield from batch.to_pylist()
     except (pyarrow.ArrowException, OSError) as exc:
-        raise DataError(f"{path} is not a readable Parquet file ({exc})") from None
+        raise UserError(f"{path} is not a readable Parquet file ({exc})") from None
 
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")  # JSON Lines, one email record per line
@@ -253,7 +253,7 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
     mbox file (Gmail Takeout, Thunderbird) or a single .eml message."""
     path = Path(path)
     if not path.exists():
-        raise DataError(f"No such file or folder: {path}")
+        raise UserError(f"No such file or folder: {path}")
     if path.is_dir():
         return read_maildir(path)
     name = path.name.lower()
@@ -266,15 +266,15 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
     if name.endswith(".mbox"):
         with open(path, "rb") as f:
             first = f.readline(80).decode("utf-8", "replace").strip()
-        raise DataError(f"{path} is not an mbox file: " + (f"its first line is {first!r}, and an mbox's messages each "
+        raise UserError(f"{path} is not an mbox file: " + (f"its first line is {first!r}, and an mbox's messages each "
                         f"begin with a 'From ' line" if first else "it is empty"))
     if name.endswith(".eml"):
         with open(path, "rb") as f:
             return iter([message_to_record(email.message_from_binary_file(f, policy=email.policy.compat32), path.name)])
     if name.endswith((".pst", ".ost", ".olm")):
-        raise DataError(f"{path} is an Outlook archive, which this tool cannot read; export the folders as mbox "
+        raise UserError(f"{path} is an Outlook archive, which this tool cannot read; export the folders as mbox "
                         f"(e.g. with Thunderbird's ImportExportTools, or readpst -r from libpst) and pass that.")
-    raise DataError(f"Don't know how to read {path}: expected a mail folder, .jsonl(.gz), .parquet, an mbox file or "
+    raise UserError(f"Don't know how to read {path}: expected a mail folder, .jsonl(.gz), .parquet, an mbox file or "
                     f"an .eml file.")
 
 
@@ -303,7 +303,7 @@ def load_hub_dataset(name: str, split: str | None = None):
         huggingface_hub.utils.logging.set_verbosity_error()  # one clear error below instead of retry chatter
         return datasets.load_dataset(name, split=split)
     except Exception as exc:  # the hub raises many kinds (ConnectionError, HfHubHTTPError, OfflineModeIsEnabled...)
-        raise DataError(HUB_OFFLINE_HELP.format(name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}")) from exc
+        raise UserError(HUB_OFFLINE_HELP.format(name=name, error=f"{type(exc).__name__}: {str(exc)[:200]}")) from exc
 
 
 def read_hub_emails(name: str = "corbt/enron-emails"):

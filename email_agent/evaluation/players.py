@@ -20,7 +20,7 @@ from pathlib import Path
 
 from email_agent.agent.episode import SHAPE, Episode
 from email_agent.backends import CPU_BASE_MODEL
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.evaluation.serving import Servers
 from email_agent.redact import redact
 from email_agent.runs import ART_DIR, find_run, is_step
@@ -78,19 +78,19 @@ def check_flags(args) -> None:
                                               for f in SHAPE))
                    if given]
         if ignored:
-            raise DataError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
+            raise UserError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
                             f"{', '.join(ignored)} would change nothing")
     for flag in ("limit", "concurrency", *SHAPE):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            raise DataError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
     if not args.timeout > 0 or math.isinf(args.timeout):  # NaN fails the first test
-        raise DataError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
+        raise UserError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
     if not 0 <= args.temperature <= 2:  # what OpenAI-compatible servers accept; NaN fails it too
-        raise DataError(f"--temperature must be between 0 and 2, not {args.temperature}")
+        raise UserError(f"--temperature must be between 0 and 2, not {args.temperature}")
     repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
     if repeated:
-        raise DataError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
+        raise UserError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
 
 
 def split_spec(spec: str) -> tuple[str, str]:
@@ -109,18 +109,18 @@ def check_specs(specs: list[str], art_dir: str) -> None:
         name, step = split_spec(spec)
         at = "@" in spec and name != spec
         if at and not step:
-            raise DataError(f"--model {spec}: give a step after '@' (a number or 'latest'), or leave '@' out")
+            raise UserError(f"--model {spec}: give a step after '@' (a number or 'latest'), or leave '@' out")
         run = find_run(name, art_dir)
         if run is None:
             if name == "base" and at:
-                raise DataError(f"--model {spec}: 'base' is the untrained model; it has no steps")
+                raise UserError(f"--model {spec}: 'base' is the untrained model; it has no steps")
             continue
         if step not in ("", "latest") and not is_step(step):
-            raise DataError(f"--model {spec}: a step is a number or 'latest'.")
+            raise UserError(f"--model {spec}: a step is a number or 'latest'.")
         if run.backend == "cpu":  # its checkpoints are here to count; an ART backend's are its own
             label = f"{run.name}@{run.checkpoint(step)[0]}"
             if label in labels:
-                raise DataError(f"--model: {label} is given twice ({labels[label]} and {spec}); each model is "
+                raise UserError(f"--model: {label} is given twice ({labels[label]} and {spec}); each model is "
                                 f"evaluated once")
             labels[label] = spec
 
@@ -185,9 +185,9 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
             label = f"{run.name}@{number}"
             try:
                 client, _ = await servers.on_cpu(run.base_model, ckpt, label, lora_rank=run.config.get("lora_rank", 8))
-            except DataError as exc:
+            except UserError as exc:
                 others = [str(n) for n in run.steps() if n != number]
-                raise DataError(f"{exc}" + (f" The run's other checkpoints: {', '.join(others)} (--model "
+                raise UserError(f"{exc}" + (f" The run's other checkpoints: {', '.join(others)} (--model "
                                              f"{run.name}@{others[-1]})." if others else "")) from None
         else:
             client, label, served = await servers.with_art(run, step)
@@ -202,14 +202,14 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
 
     provider, _, model = name.partition("/")
     if not model:
-        raise DataError(f"--model {spec!r} is neither a run under {options.art_dir}/*/models, 'base', nor a "
+        raise UserError(f"--model {spec!r} is neither a run under {options.art_dir}/*/models, 'base', nor a "
                         f"provider/model name such as openai/o4-mini or hosted_vllm/<name> (with --base-url).")
     base_url = options.base_url or (os.environ.get("OPENAI_BASE_URL") if provider == "openai" else None)
     if provider != "openai" and not base_url:
-        raise DataError(f"--model {spec}: give --base-url of an OpenAI-compatible server (vLLM, a litellm proxy...).")
+        raise UserError(f"--model {spec}: give --base-url of an OpenAI-compatible server (vLLM, a litellm proxy...).")
     api_key = options.api_key or os.environ.get("OPENAI_API_KEY" if provider == "openai" else "POLICY_API_KEY")
     if provider == "openai" and not (api_key or options.base_url):
-        raise DataError(f"--model {spec}: set OPENAI_API_KEY (or pass --api-key).")
+        raise UserError(f"--model {spec}: set OPENAI_API_KEY (or pass --api-key).")
     served = model if provider in ("openai", "hosted_vllm") else name
     reasoning = provider == "openai" and model.startswith(("o1", "o3", "o4", "gpt-5"))
     client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=options.timeout, max_retries=3)
@@ -239,7 +239,7 @@ PROBE_TIMEOUT_S = 20.0
 
 
 async def probe(contestant: Contestant) -> None:
-    """Raise DataError if the contestant's endpoint is unreachable, refuses the key or does not serve the model.
+    """Raise UserError if the contestant's endpoint is unreachable, refuses the key or does not serve the model.
 
     GET /models first (free, and what every OpenAI-compatible server answers); when the model is not in the
     list, or the server has no such route, a one-token chat request decides.
@@ -251,17 +251,17 @@ async def probe(contestant: Contestant) -> None:
     model, where = contestant.policy.model, str(client.base_url)
     served: list[str] = []
 
-    def failure(exc: Exception) -> DataError:
+    def failure(exc: Exception) -> UserError:
         if isinstance(exc, openai.APIConnectionError):  # refused, DNS, timeout
-            return DataError(f"{contestant.label}: cannot reach {where} ({type(exc).__name__}); is the server up "
+            return UserError(f"{contestant.label}: cannot reach {where} ({type(exc).__name__}); is the server up "
                              f"and the --base-url right?")
         if isinstance(exc, (openai.AuthenticationError, openai.PermissionDeniedError)):
-            return DataError(f"{contestant.label}: {where} refused the API key (HTTP {exc.status_code}); check "
+            return UserError(f"{contestant.label}: {where} refused the API key (HTTP {exc.status_code}); check "
                              f"--api-key, OPENAI_API_KEY or POLICY_API_KEY.")
         if isinstance(exc, openai.NotFoundError):
             listed = f"; it serves {', '.join(served[:10])}" if served else ""
-            return DataError(f"{contestant.label}: {where} does not serve a model named {model!r}{listed}.")
-        return DataError(f"{contestant.label}: {where} answered the probe with HTTP "
+            return UserError(f"{contestant.label}: {where} does not serve a model named {model!r}{listed}.")
+        return UserError(f"{contestant.label}: {where} answered the probe with HTTP "
                          f"{getattr(exc, 'status_code', '?')}: {redact(str(exc)[:200])}")
 
     try:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from email_agent.agent import grading
 from email_agent.agent.episode import Episode
 from email_agent.data.questions import Question
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.evaluation.scores import read_results
 
 log = logging.getLogger(__name__)
@@ -74,12 +74,12 @@ async def rejudge_folder(folder: Path, episode: Episode, grounded_answers: bool)
     playing the episodes again."""
     results = folder / "results.jsonl"
     if not results.is_file():
-        raise DataError(f"--rejudge {folder}: no results.jsonl there (an output folder of this command).")
+        raise UserError(f"--rejudge {folder}: no results.jsonl there (an output folder of this command).")
     stored, torn = read_results(results)
     if torn:
         log.warning("note: %d unreadable line(s) in %s skipped", torn, results)
     if not stored:
-        raise DataError(f"--rejudge {folder}: results.jsonl holds no results to re-score.")
+        raise UserError(f"--rejudge {folder}: results.jsonl holds no results to re-score.")
     unique = {}
     for record in stored:  # two files joined by hand would count each question twice
         unique.setdefault((record["model"], str(record["question_id"])), record)

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.evaluation.report_html import page
 from email_agent.evaluation.report_tables import (NOTES, OUTCOME_NOTE, PAIR_NOTE, comparison_rows, history_table,
                                                   outcome_rows, pair_rows, setup_rows, what_training_changed,
@@ -65,15 +65,15 @@ def check_output(out: Path) -> None:
     existing = next(p for p in (out, *out.parents) if p.exists())
     run = next((p for p in (out.resolve(), *out.resolve().parents) if (p / "run_config.json").is_file()), None)
     if run is not None:  # checkpoint pruning and --fresh delete what is in there
-        raise DataError(f"--output {out} is {'in ' if run != out.resolve() else ''}a training run's folder; give a "
+        raise UserError(f"--output {out} is {'in ' if run != out.resolve() else ''}a training run's folder; give a "
                         f"folder of its own, such as eval/NAME")
     if not existing.is_dir():
-        raise DataError(f"--output {out}: {existing} is a file; give a folder")
+        raise UserError(f"--output {out}: {existing} is a file; give a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise DataError(f"--output {out}: cannot write in {existing}")
+        raise UserError(f"--output {out}: cannot write in {existing}")
     beside = out.resolve().parent
     if (out / "results.jsonl").exists() and not os.access(beside, os.W_OK | os.X_OK):
-        raise DataError(f"--output {out} holds an evaluation, which would move aside into {beside}, where this "
+        raise UserError(f"--output {out} holds an evaluation, which would move aside into {beside}, where this "
                         f"user cannot write; give another --output")
 
 
@@ -100,4 +100,4 @@ def keep_previous(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DataError(f"--output {out}: {exc.strerror or exc}") from None
+        raise UserError(f"--output {out}: {exc.strerror or exc}") from None

@@ -17,7 +17,7 @@ import httpx
 
 from email_agent import backends
 from email_agent.backends.vllm_server import VLLMServer
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.redact import redact
 from email_agent.runs import Run, is_step
 
@@ -48,7 +48,7 @@ class Servers:
             try:
                 check_adapter(str(checkpoint))
             except CheckpointError as exc:
-                raise DataError(str(exc)) from None
+                raise UserError(str(exc)) from None
             await server.load_lora(label, str(checkpoint))
         client = AsyncOpenAI(base_url=server.base_url, api_key="local", timeout=self.options.timeout, max_retries=2)
         return client, label if checkpoint is not None else server.served_name
@@ -93,10 +93,10 @@ class Servers:
             # model.openai_client() hands openai an httpx.Timeout it cannot add to a float (TypeError per request).
             client = AsyncOpenAI(base_url=model.inference_base_url, api_key=model.inference_api_key or "none",
                                  timeout=self.options.timeout, max_retries=2)
-        except DataError:
+        except UserError:
             raise
         except Exception as exc:  # a runtime that will not build or start: say so, with the way around it
-            raise DataError(cannot_serve(run, step, f"{type(exc).__name__}: {redact(str(exc)[:300])}")) from None
+            raise UserError(cannot_serve(run, step, f"{type(exc).__name__}: {redact(str(exc)[:300])}")) from None
         return client, f"{run.name}@{wanted}", served
 
     async def _register(self, run: Run, step: str):
@@ -109,7 +109,7 @@ class Servers:
         try:
             backend = backends.make_backend(run.backend, settings)
         except backends.BackendError as exc:
-            raise DataError(cannot_serve(run, step, str(exc))) from None
+            raise UserError(cannot_serve(run, step, str(exc))) from None
         self._stack.push_async_callback(backend.close)
         model = art.TrainableModel(
             name=run.name, project=run.project, base_model=run.base_model, base_path=run.art_dir,
@@ -125,7 +125,7 @@ async def load_lora_adapter(base_url: str, api_key: str | None, lora_name: str, 
         response = await client.post(url, json={"lora_name": lora_name, "lora_path": path, "load_inplace": True},
                                      headers={"Authorization": f"Bearer {api_key or 'none'}"})
     if response.status_code >= 400:
-        raise DataError(f"vLLM would not load the LoRA {path} as {lora_name} (HTTP {response.status_code}: "
+        raise UserError(f"vLLM would not load the LoRA {path} as {lora_name} (HTTP {response.status_code}: "
                         f"{response.text[:200]}).")
 
 

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 from art import TrajectoryGroup
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.agent.grading import VERDICT_ERROR, VERDICT_TRANSIENT
 from email_agent.agent.rewards import JUDGE_TRANSIENT, RULER_ERROR
 
@@ -26,7 +26,7 @@ FIRST_WAIT_S = 5.0  # then doubled after each try, up to MAX_WAIT_S
 MAX_WAIT_S = 60.0
 
 
-class JudgeDown(DataError):
+class JudgeDown(UserError):
     """The judge could not grade the step: one sentence, with which judge, what error and how to resume."""
 
 

@@ -30,7 +30,7 @@ from email_agent.agent import grading, rewards
 from email_agent.agent.rollout import Policy, rollout
 from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines, run_dir, saved_config
 from email_agent.data.questions import Question
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.training import judge_outages, run_plan, step_health, training_data, warm_start
 from email_agent.training.run_plan import Plan, note
 
@@ -88,7 +88,7 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
         if batch.step == 0:  # a fresh run says at once whether it can learn
             verdict = say_whether_it_can_learn(plan, health, warm_start_pending=False)
             if verdict.cannot_learn and not cfg.train_anyway:  # not hours of steps that learn nothing
-                raise DataError(f"{verdict.headline.rstrip('.')}; stopped before its first update, with the run "
+                raise UserError(f"{verdict.headline.rstrip('.')}; stopped before its first update, with the run "
                                 f"kept (rerun with the fix to go on from here, or add --train-anyway to train "
                                 f"regardless).")
             print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
@@ -188,13 +188,13 @@ def say_whether_it_can_learn(plan: Plan, health: step_health.Health, warm_start_
 
 async def preflight(plan: Plan, policy: Policy, batch, sft_steps: int, warm_start_pending: bool) -> None:
     """--preflight: the next step up to its update, as `grpo` takes it (gathered, judged, the verdict printed);
-    DataError if GRPO cannot learn from it."""
+    UserError if GRPO cannot learn from it."""
     if batch is None:
-        raise DataError(f"--preflight: run {plan.config.name!r} has no steps left to check (its epochs are done).")
+        raise UserError(f"--preflight: run {plan.config.name!r} has no steps left to check (its epochs are done).")
     _, health = await gather_and_judge(plan, policy, batch.items, batch.step + sft_steps)
     verdict = say_whether_it_can_learn(plan, health, warm_start_pending)
     if not verdict.ok:
-        raise DataError(verdict.headline)
+        raise UserError(verdict.headline)
     print(f"preflight: {verdict.headline}")
 
 

@@ -20,7 +20,7 @@ from email_agent.config import DEMO_DB, TrainConfig, run_dir, saved_config
 from email_agent.data import build
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import Question, training_questions
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.training import warm_start
 
 
@@ -71,7 +71,7 @@ async def resolve(cfg: TrainConfig) -> Plan:
         ready = backends.readiness.check(backend, settings, gpu)
         print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
         if not ready.ok:
-            raise DataError(f"--backend {backend} cannot start here; missing: " + "; ".join(ready.missing))
+            raise UserError(f"--backend {backend} cannot start here; missing: " + "; ".join(ready.missing))
     if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
         build_demo_inbox(cfg.db)
     db = EmailDB(cfg.db)
@@ -83,7 +83,7 @@ async def resolve(cfg: TrainConfig) -> Plan:
         await judge.probe()
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
-        raise DataError("--reward ruler needs --ruler-model or --judge-model.")
+        raise UserError("--reward ruler needs --ruler-model or --judge-model.")
     episode = replace(Episode.shaped_as(cfg), reward=reward_mode, judge=judge,
                       hallucination_penalty=cfg.hallucination_penalty)
     if backends.hide_wandb_key(backend, cfg.wandb):

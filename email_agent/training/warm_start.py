@@ -28,7 +28,7 @@ import art
 from art.utils.sft import create_lr_schedule
 
 from email_agent.config import EXPERT_NAMES
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.expert import Ceiling, ExpertPolicy
 from email_agent.data.questions import Question, withheld
@@ -93,13 +93,13 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, episode: Episode | Non
     """
     path = Path(folder) / "results.jsonl"
     if not path.is_file():
-        raise DataError(f"--sft-from {folder}: no results.jsonl there (an output folder of test_email_search_agent.py)")
+        raise UserError(f"--sft-from {folder}: no results.jsonl there (an output folder of test_email_search_agent.py)")
     test_ids = {row[0] for row in db.conn.execute("SELECT id FROM questions WHERE split = 'test'")}
     records, unreadable = read_results(path, keys=("model", "question_id", "messages", "metrics", "reward"))
     if unreadable:
         logger.warning("--sft-from %s: %d unreadable line(s) in results.jsonl skipped", folder, unreadable)
     if not records:
-        raise DataError(f"--sft-from {folder}: results.jsonl holds no episodes (is it an evaluation's results?)")
+        raise UserError(f"--sft-from {folder}: results.jsonl holds no episodes (is it an evaluation's results?)")
     held_out_ids = {q.id for q in held_out}
     trajs, shapes, skipped = [], set(), 0
     for record in records:
@@ -154,7 +154,7 @@ def sft_source(source: str, db: EmailDB, questions: list[Question], episode: Epi
         async def load():
             return teacher_trajectories(Path(source).expanduser(), db, episode, held_out)
         return load()
-    raise DataError(f"--sft-from {source!r}: expected 'expert' or an evaluation folder with results.jsonl")
+    raise UserError(f"--sft-from {source!r}: expected 'expert' or an evaluation folder with results.jsonl")
 
 
 async def warm_start_episodes(cfg, db, train_questions, val_questions, episode) -> list:
@@ -164,7 +164,7 @@ async def warm_start_episodes(cfg, db, train_questions, val_questions, episode) 
     if cfg.sft_limit:
         trajectories = trajectories[:cfg.sft_limit]
     if not trajectories:
-        raise DataError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
+        raise UserError(f"--sft-from {cfg.sft_from}: no successful trajectories to learn from.")
     return trajectories
 
 

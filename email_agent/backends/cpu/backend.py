@@ -39,7 +39,7 @@ from email_agent.backends.vllm_server import VLLMServer
 from email_agent.backends.cpu.checkpoints import load_checkpoint, remove_partial_saves, save_checkpoint
 from email_agent.backends.cpu.model import load_base_model, load_tokenizer, served_model_dir
 from email_agent.backends.cpu.trainer import Trainer, new_optimizer
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ class CPUBackend:
         name = self._model.name
         try:
             await self._server.load_lora(f"{name}@{self._step}", get_step_checkpoint_dir(self._model_dir, self._step))
-        except DataError as exc:  # vLLM died or hung: the checkpoint is on disk, so say how to go on from it
-            raise DataError(f"{exc}. Step {self._step} is saved: re-run the same command to resume from it.") from None
+        except UserError as exc:  # vLLM died or hung: the checkpoint is on disk, so say how to go on from it
+            raise UserError(f"{exc}. Step {self._step} is saved: re-run the same command to resume from it.") from None
         previous, self._served_step = self._served_step, self._step
         if previous is not None:
             await self._server.unload_lora(f"{name}@{previous}")

