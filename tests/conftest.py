@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# `make -n` as the tests read it: under a make of its own (CI's `make test`) make would also print "Entering directory".
+MAKE_DRY_RUN = ["make", "-n", "--no-print-directory"]
 sys.path.insert(0, str(ROOT))
 
 import email_agent  # noqa: F401  (offline environment defaults)

@@ -21,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
+from conftest import MAKE_DRY_RUN  # noqa: E402
 import check_machine  # noqa: E402 (a script, not a package: stdlib only, run before any venv exists)
 
 CUDA_PACKAGE = re.compile(r"^(nvidia-|cuda-|triton$)")
@@ -117,7 +118,7 @@ def test_without_the_cpu_index_pip_fails_rather_than_take_cuda_torch(tmp_path):
 
 def test_make_setup_installs_cpu_torch_from_its_index_before_anything_else(tmp_path):
     """`make -n` prints the recipe: each CPU venv takes torch from TORCH_INDEX, then its requirements."""
-    printed = subprocess.run(["make", "-n", "setup", f"VENV={tmp_path}/a", f"VLLM_VENV={tmp_path}/b"], cwd=ROOT,
+    printed = subprocess.run([*MAKE_DRY_RUN, "setup", f"VENV={tmp_path}/a", f"VLLM_VENV={tmp_path}/b"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.splitlines()
     for venv, requirements in ((f"{tmp_path}/a", "-r requirements.txt"), (f"{tmp_path}/b", "-r requirements-vllm.txt")):
         steps = [line for line in printed if line.startswith(f"{venv}/bin/python -m pip install")]
@@ -163,7 +164,7 @@ def test_make_setup_gpu_stops_before_downloading_on_a_machine_without_a_gpu(tmp_
 
 def test_make_demo_builds_trains_and_evaluates_after_the_install(tmp_path):
     """The main job's recipe (an install edit once dropped it: `make demo` then did nothing and exited 0)."""
-    printed = subprocess.run(["make", "-n", "demo", f"VENV={tmp_path}/a", f"VLLM_VENV={tmp_path}/b"], cwd=ROOT,
+    printed = subprocess.run([*MAKE_DRY_RUN, "demo", f"VENV={tmp_path}/a", f"VLLM_VENV={tmp_path}/b"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.splitlines()
     jobs = [line for line in printed if "_email_search_agent.py" in line]
     assert [job.split()[1:3] for job in jobs] == [["train_email_search_agent.py", "build-db"],

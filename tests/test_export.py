@@ -82,7 +82,7 @@ def test_formats_and_flags_a_run_cannot_have_are_refused(tmp_path):
     make_run(tmp_path, "mine", "cpu", str(tmp_path), steps=(1,))  # a CPU run on a local transformers folder
     make_run(tmp_path, "cloud", "serverless", "OpenPipe/Qwen3-14B-Instruct")
     for spec in ("qwen", "mine"):
-        with pytest.raises(UserError, match="not SmolLM2's GGUF.*--format merged.*convert_hf_to_gguf.py"):
+        with pytest.raises(UserError, match="not a GGUF the CPU backend loads.*--format merged.*convert_hf_to_gguf.py"):
             export(spec, "gguf", tmp_path / "out", art_dir=str(tmp_path))
     with pytest.raises(UserError, match="--base-model is for runs trained on a GPU"):
         export("mine", "merged", tmp_path / "out", art_dir=str(tmp_path), base_model=str(tmp_path))

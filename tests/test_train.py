@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT
+from conftest import MAKE_DRY_RUN, ROOT
 from email_agent import backends, config, runs
 from email_agent.agent.episode import Episode
 from email_agent.training import loop, warm_start
@@ -29,7 +29,8 @@ from scripted_server import call, expert_script
 import test_email_search_agent as evaluate_cli
 import train_email_search_agent as cli
 
-TINY = ["--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4",
+# A plumbing run: 4 warm-start trajectories cannot teach valid tool calls, so the "cannot learn" stop is overridden.
+TINY = ["--train-anyway", "--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4",
         "--groups-per-step", "1", "--rollouts-per-group", "2", "--max-turns", "3", "--max-tokens", "40",
         "--val-size", "2", "--eval-every", "1", "--keep-checkpoints", "all", "--max-body-chars", "300"]
 
@@ -130,7 +131,7 @@ def test_interrupt_shuts_down_cleanly(demo_db_path, tmp_path, sig, own_vllm):
 def test_interrupt_mid_step_cancels_the_rollouts_in_flight(demo_db_path, tmp_path):
     """ART's gather counts a cancelled rollout as a failed one and waits for the others: one Ctrl-C must still
     end the step now, not after every rollout of it has played out (minutes with these settings)."""
-    proc = subprocess.Popen(train_cmd(demo_db_path, tmp_path / "art", "--sft-from", "", "--train-anyway",
+    proc = subprocess.Popen(train_cmd(demo_db_path, tmp_path / "art", "--sft-from", "",
                                       "--groups-per-step", 4,
                                       "--rollouts-per-group", 4, "--max-turns", 6, "--max-tokens", 512, "--val-size", 1,
                                       "--eval-every", 100), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -609,7 +610,7 @@ def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape(seed, 
     """`make demo` evaluates the trained agent as it was trained: no shape flag overrides the run's own shape
     (test_the_run_saves_its_episode_shape_for_evaluation checks that evaluation reads it). `SEED=1` trains and
     evaluates run demo-seed1, so it never resumes seed 0's run."""
-    dry = subprocess.run(["make", "-n", "demo", *([f"SEED={seed}"] if seed else [])], cwd=ROOT, capture_output=True,
+    dry = subprocess.run([*MAKE_DRY_RUN, "demo", *([f"SEED={seed}"] if seed else [])], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout
     train = next(line for line in dry.splitlines() if "train_email_search_agent.py train" in line)
     assert f"--seed {seed or 0} --name {run}" in train
