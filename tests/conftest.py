@@ -91,28 +91,19 @@ def smollm2_tokenizer():
     return tokenizer
 
 
-# Qwen2.5's added tokens from id 151643 on, as its tokenizer.json on Hugging Face lists them (special but these)
+# Qwen2.5-Instruct's added tokens, ids 151643 on, as Hugging Face's tokenizer.json lists them
 QWEN25_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
                 "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
-QWEN25_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-                      "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
 
 
 @pytest.fixture(scope="session")
 def qwen25_model_dir(tmp_path_factory) -> Path:
     """A folder ART's LocalBackend loads as Qwen2.5-Instruct's tokenizer (the GPU default's family; its weights
-    are not needed on the CPU): the real vocabulary, merges and chat template (hermes tool calls, no generation
-    markers), read from the GGUF `make setup-qwen` installs (~25 s), made what Hugging Face ships. transformers'
-    GGUF reader keeps 151,936 ids in the BPE vocabulary with three added tokens (<tool_call> is then encoded in
-    several tokens, and ART's sentinel, the largest id below `vocab_size`, is "[PAD151935]", which does not encode
-    back to itself): Qwen's own tokenizer.json has 151,643 and the 22 added tokens above, eos <|im_end|>."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    from email_agent.backends.cpu import find_base_model
+    are not needed here): the real vocabulary, merges and chat template (hermes tool calls, no generation markers),
+    as the CPU path reads them from the GGUF `make setup-qwen` installs (~25 s)."""
+    from email_agent.backends.cpu import find_base_model, gguf_tokenizer
     from email_agent.errors import UserError
 
     try:
@@ -120,19 +111,7 @@ def qwen25_model_dir(tmp_path_factory) -> Path:
     except UserError as error:
         pytest.skip(f"Qwen2.5's GGUF is not installed (make setup-qwen): {error}")
     folder = tmp_path_factory.mktemp("qwen2.5")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.eos_token = "<|im_end|>"
-    tokenizer.save_pretrained(folder)
-    data = json.loads((folder / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    first = vocab[QWEN25_ADDED[0]]
-    assert [vocab[token] for token in QWEN25_ADDED] == list(range(first, first + len(QWEN25_ADDED))) == \
-        list(range(151643, 151665))
-    data["model"]["vocab"] = {token: i for token, i in vocab.items() if i < first}
-    data["added_tokens"] = [{"id": first + n, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": token not in QWEN25_NOT_SPECIAL}
-                            for n, token in enumerate(QWEN25_ADDED)]
-    (folder / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    gguf_tokenizer(gguf, smollm2=False).save_pretrained(folder)
     return folder
 
 
@@ -143,6 +122,7 @@ def qwen25_tokenizer(qwen25_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(qwen25_model_dir)
     assert (tokenizer.vocab_size, len(tokenizer), tokenizer.eos_token) == (151643, 151665, "<|im_end|>")
+    assert tokenizer.convert_ids_to_tokens(list(range(151643, 151665))) == QWEN25_ADDED
     assert tokenizer.encode("<tool_call>\n", add_special_tokens=False) == [151657, 198]
     return tokenizer
 

@@ -9,7 +9,9 @@ Modules, in the order data flows through them:
 
 from email_agent.backends.cpu.backend import CPUBackend
 from email_agent.backends.cpu.checkpoints import CheckpointError
-from email_agent.backends.cpu.model import TOOL_CHAT_TEMPLATE, find_base_model, load_base_model, served_model_dir
+from email_agent.backends.cpu.model import (TOOL_CHAT_TEMPLATE, find_base_model, gguf_tokenizer, load_base_model,
+                                            served_model_dir)
 
-__all__ = ["CPUBackend", "CheckpointError", "TOOL_CHAT_TEMPLATE", "find_base_model", "load_base_model",
+__all__ = ["CPUBackend", "CheckpointError", "TOOL_CHAT_TEMPLATE", "find_base_model", "gguf_tokenizer",
+           "load_base_model",
            "served_model_dir"]

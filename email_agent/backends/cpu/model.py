@@ -307,10 +307,17 @@ def _cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "email-agent"
 
 
+# The conversion's own format, in its folder's name: raised whenever what a conversion holds changes (2: Qwen's
+# tokenizer as Hugging Face ships it), so a conversion an earlier version kept is never read.
+CONVERSION_FORMAT = 2
+
+
 def _converted_directory(gguf: Path) -> Path:
     """Where the GGUF's float32 conversion is kept: under $XDG_CACHE_HOME (~/.cache), named after the file, its
-    size and the transformers that converted it, so another GGUF or converter never reads a stale conversion."""
-    return _cache() / f"{gguf.stem}-{gguf.stat().st_size}-transformers{transformers.__version__}-float32"
+    size, the transformers that converted it and the conversion's format, so another GGUF, converter or format
+    never reads a stale conversion."""
+    return _cache() / (f"{gguf.stem}-{gguf.stat().st_size}-transformers{transformers.__version__}"
+                       f"-v{CONVERSION_FORMAT}-float32")
 
 
 def _assembled_qwen25() -> Path:
@@ -367,16 +374,7 @@ def _load_gguf(gguf: Path, smollm2: bool) -> tuple[Any, Any]:
             logger.warning("discarding the unreadable conversion %s (%s)", converted, error)
             shutil.rmtree(converted, ignore_errors=True)
     logger.info("loading %s (float32)", gguf.name)
-    if smollm2:
-        # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
-        # which adds five infilling tokens that lie outside the model's embedding table.
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="gpt2")
-        tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        # The GGUF reader makes <|endoftext|> the eos; Qwen2.5-Instruct's turns end with <|im_end|> (its config's
-        # eos_token_id), which vLLM must stop at and the trainer's turns end with, as in Qwen's own tokenizer.
-        tokenizer.eos_token = "<|im_end|>"
+    tokenizer = gguf_tokenizer(gguf, smollm2)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     try:
         converted.parent.mkdir(parents=True, exist_ok=True)
@@ -388,6 +386,50 @@ def _load_gguf(gguf: Path, smollm2: bool) -> tuple[Any, Any]:
         if not converted.is_dir():  # (else another process kept it first)
             logger.warning("could not keep the float32 conversion in %s (%s)", converted, error)
     return model, tokenizer
+
+
+def gguf_tokenizer(gguf: Path, smollm2: bool) -> Any:
+    """The tokenizer a GGUF of SmolLM2 or of Qwen2.5 holds, as the model's own tokenizer files have it (~5 s for
+    SmolLM2, ~25 s for Qwen2.5 on two cores)."""
+    if smollm2:
+        # tokenizer_type="gpt2": the default picks a CodeLlama tokenizer whose eos is <|im_start|> and
+        # which adds five infilling tokens that lie outside the model's embedding table.
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, tokenizer_type="gpt2")
+        tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+        return tokenizer
+    tokenizer = _tokenizer_as_shipped(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name), gguf)
+    # The GGUF reader makes <|endoftext|> the eos; Qwen2.5-Instruct's turns end with <|im_end|> (its config's
+    # eos_token_id), which vLLM must stop at and the trainer's turns end with, as in Qwen's own tokenizer.
+    tokenizer.eos_token = "<|im_end|>"
+    return tokenizer
+
+
+def _tokenizer_as_shipped(tokenizer, gguf: Path) -> Any:
+    """The GGUF's tokenizer as its model's own tokenizer.json has it. transformers' GGUF reader keeps every one of
+    the file's ids in the BPE vocabulary and only three as added tokens: Qwen2.5's <tool_call> is then encoded in
+    several pieces, and its 271 unused "[PAD...]" ids count in `vocab_size`, so ART's sentinel (the largest id below
+    it) does not encode back to itself. The GGUF's token types say which ids are added tokens (control: special;
+    user-defined: not) and which are unused (dropped, as Hugging Face's tokenizer has no such ids)."""
+    import json
+
+    import gguf as gguf_format
+
+    field = gguf_format.GGUFReader(gguf).fields["tokenizer.ggml.token_type"]
+    types = [int(field.parts[i][0]) for i in field.data]
+    added = [i for i, kind in enumerate(types) if kind in (gguf_format.TokenType.CONTROL,
+                                                         gguf_format.TokenType.USER_DEFINED)]
+    unused = {i for i, kind in enumerate(types) if kind == gguf_format.TokenType.UNUSED}
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        data = json.loads((Path(folder) / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        token_of = {i: token for token, i in vocab.items()}
+        data["model"]["vocab"] = {token: i for token, i in vocab.items() if i not in unused and i not in added}
+        data["added_tokens"] = [{"id": i, "content": token_of[i], "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False,
+                                 "special": types[i] == gguf_format.TokenType.CONTROL} for i in added]
+        (Path(folder) / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+        return AutoTokenizer.from_pretrained(folder)
 
 
 def _ensure_tool_chat_template(tokenizer) -> None:
