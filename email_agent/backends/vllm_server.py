@@ -48,7 +48,7 @@ CPU_ENGINE_ARGS = {"dtype": "bfloat16", "generation_config": "vllm", "disable_lo
 KV_CACHE_GIB = 2  # the KV cache (VLLM_CPU_KVCACHE_SPACE): ~90k tokens of SmolLM2-135M, 11 whole contexts
 # vLLM ends its engine when one forward pass of a batch takes over VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s by
 # default). On two cores shared with another job a batch of 24 episodes' prompts went past that, and the run's
-# server died mid-step (2026-12-04); a slow pass is not a hung one here.
+# server died mid-step (bench/RESULTS.md, run RR-3); a slow pass is not a hung one here.
 EXECUTE_MODEL_TIMEOUT_S = 3600
 URL_ENV = "EMAIL_AGENT_VLLM_URL"  # a running server to use instead of starting one (`VLLMServer`)
 START_TIMEOUT_S = 600.0  # a first start imports vLLM and loads the model: ~30-60 s on 2 cores, more when busy
