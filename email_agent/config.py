@@ -82,7 +82,7 @@ class TrainConfig:
     enforce_eager: bool = False  # skip CUDA-graph capture (saves memory on 24 GB cards)
     max_num_seqs: int = 64  # concurrent sequences in vLLM
     concurrency: int = 32  # simultaneous rollouts
-    cpu_train_threads: int = 0  # torch threads for CPU training (0: all cores; 1 if other jobs share the machine)
+    cpu_train_threads: int = 0  # torch threads for CPU training (0: the cores it may use; 1 if jobs share them)
     wandb: bool = False  # log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)
 
 

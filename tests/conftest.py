@@ -27,6 +27,18 @@ needs_enron = pytest.mark.skipif(
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6") if sys.platform == "linux" else None
 
 
+def pytest_configure(config):
+    """Each pytest-xdist worker on cores of its own. A worker's vLLM binds its OpenMP threads to every core the
+    worker may use, and its trainer runs a thread per such core: two workers sharing both cores ran the warm start
+    at 51 tokens/s where one run alone trains at ~480 (bench/RESULTS.md, "The test suite's time")."""
+    import os
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker and 1 < count <= len(cores):
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
     """After a slow test (it loaded a model): its garbage collected, and the memory it freed handed back to the

@@ -87,11 +87,14 @@ def qwen_vllm(tmp_path_factory):
         asyncio.run(server.close())
 
 
-# Opt-in: on two cores without native bfloat16 a Qwen2.5 rollout request takes ~75 s in vLLM, so this test runs far
-# past CI's budget (bench/RESULTS.md, "Qwen2.5-Coder-0.5B on the CPU backend").
+# Opt-in, and known to fail (bench/RESULTS.md, "Qwen2.5-Coder-0.5B on the CPU backend"): with Qwen's own tokenizer
+# (<tool_call> one token) 8 warm-start episodes x 2 epochs do not teach the model to write a call the hermes parser
+# reads, so the first step stops with "cannot learn". On two cores with native bfloat16 it fails in ~4 min; without,
+# a rollout request takes ~75 s and the test tens of minutes.
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("EMAIL_AGENT_QWEN_REHEARSAL") != "1",
-                    reason="the Qwen2.5 rehearsal takes tens of minutes on 2 cores: set EMAIL_AGENT_QWEN_REHEARSAL=1")
+                    reason="the Qwen2.5 rehearsal does not pass yet (its warm start teaches no valid call): "
+                           "set EMAIL_AGENT_QWEN_REHEARSAL=1")
 def test_qwen25_trains_and_evaluates_through_the_cli_on_exactly_the_tokens_vllm_sampled(demo_db_path, tmp_path,
                                                                                          qwen_vllm):
     import art
@@ -106,7 +109,7 @@ def test_qwen25_trains_and_evaluates_through_the_cli_on_exactly_the_tokens_vllm_
     train = subprocess.run(
         [sys.executable, "-c", RECORDING_TRAIN.format(root=str(ROOT), record=str(record)), "train", "--demo",
          "--db", str(demo_db_path), "--art-dir", str(art_dir), "--name", "q", "--base-model", "qwen2.5-0.5b",
-         "--sft-from", "demo-expert", "--sft-limit", "2", "--sft-epochs", "1", "--sft-batch-size", "2",
+         "--sft-from", "demo-expert", "--sft-limit", "8", "--sft-epochs", "2", "--sft-batch-size", "4",
          "--groups-per-step", "2", "--rollouts-per-group", "2", "--max-steps", "1", "--max-turns", "3",
          "--max-tokens", "48", "--max-body-chars", "200", "--val-size", "0", "--keep-checkpoints", "all"],
         capture_output=True, text=True, timeout=3600, env=env, cwd=ROOT)

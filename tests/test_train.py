@@ -29,10 +29,11 @@ from scripted_server import call, expert_script
 import test_email_search_agent as evaluate_cli
 import train_email_search_agent as cli
 
-# A plumbing run: 4 warm-start trajectories cannot teach valid tool calls, so the "cannot learn" stop is overridden.
-TINY = ["--train-anyway", "--sft-from", "demo-expert", "--sft-limit", "4", "--sft-epochs", "1", "--sft-batch-size", "4",
+# A plumbing run, as small as each stage allows: 2 warm-start trajectories cannot teach valid tool calls, so the
+# "cannot learn" stop is overridden.
+TINY = ["--train-anyway", "--sft-from", "demo-expert", "--sft-limit", "2", "--sft-epochs", "1", "--sft-batch-size", "2",
         "--groups-per-step", "1", "--rollouts-per-group", "2", "--max-turns", "3", "--max-tokens", "40",
-        "--val-size", "2", "--eval-every", "1", "--keep-checkpoints", "all", "--max-body-chars", "300"]
+        "--val-size", "1", "--eval-every", "1", "--keep-checkpoints", "all", "--max-body-chars", "300"]
 
 
 def train_cmd(db, art_dir, *extra):

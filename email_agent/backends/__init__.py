@@ -47,7 +47,7 @@ class BackendSettings:
     max_seq_length: int = 8192  # trainer and vLLM context (local backend)
     enforce_eager: bool = False  # skip CUDA-graph capture (local backend)
     max_num_seqs: int = 64  # concurrent sequences in vLLM (local backend)
-    cpu_train_threads: int = 0  # torch threads for CPU training (0: all cores)
+    cpu_train_threads: int = 0  # torch threads for CPU training (0: every core this process may use)
 
     @classmethod
     def of(cls, config, **given) -> BackendSettings:
@@ -158,7 +158,7 @@ def make_backend(name: str, settings: BackendSettings):
         check_base_model(settings.base_model)
         s = settings
         return CPUBackend(path=s.art_dir, seed=s.seed, lora_rank=s.lora_rank, lora_alpha=s.lora_alpha,
-                          train_threads=s.cpu_train_threads or os.cpu_count() or 1)
+                          train_threads=s.cpu_train_threads or len(os.sched_getaffinity(0)))
     if name == "local":
         if not cuda_available():
             raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")
