@@ -13,5 +13,4 @@ from email_agent.backends.cpu.model import (TOOL_CHAT_TEMPLATE, find_base_model,
                                             served_model_dir)
 
 __all__ = ["CPUBackend", "CheckpointError", "TOOL_CHAT_TEMPLATE", "find_base_model", "gguf_tokenizer",
-           "load_base_model",
-           "served_model_dir"]
+           "load_base_model", "served_model_dir"]

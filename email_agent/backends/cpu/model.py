@@ -14,6 +14,7 @@ import functools
 import hashlib
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -410,9 +411,7 @@ def _tokenizer_as_shipped(tokenizer, gguf: Path) -> Any:
     several pieces, and its 271 unused "[PAD...]" ids count in `vocab_size`, so ART's sentinel (the largest id below
     it) does not encode back to itself. The GGUF's token types say which ids are added tokens (control: special;
     user-defined: not) and which are unused (dropped, as Hugging Face's tokenizer has no such ids)."""
-    import json
-
-    import gguf as gguf_format
+    import gguf as gguf_format  # the conversion's only use of it: imported when a GGUF is converted
 
     field = gguf_format.GGUFReader(gguf).fields["tokenizer.ggml.token_type"]
     types = [int(field.parts[i][0]) for i in field.data]
