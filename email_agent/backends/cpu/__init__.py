@@ -2,6 +2,7 @@
 
 Modules, in the order data flows through them:
   model        base model loading (SmolLM2 GGUF or a local directory), the tool chat template, the folder vLLM loads
+  tool_tags    the <tool_call> tags' rows: a folder whose rows are untrained is refused, a GGUF's given a start
   checkpoints  atomic save and exact resume in LocalBackend's layout (peft adapters vLLM loads as they are)
   trainer      the GRPO/SFT math over ART's tokenizer, packer and loss
   backend      `CPUBackend`, ART's Backend protocol: this trainer, and a vLLM server (`backends.vllm_server`)

@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from email_agent.backends import cpu_dtype
+from email_agent.backends.cpu import tool_tags
 from email_agent.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -268,6 +269,10 @@ def check_base_model(base_model: str) -> None:
     except ValueError as error:
         raise UserError(f"Base model {base_model!r}: {error}") from None
     check_chat_template(tokenizer, base_model)
+    ids = tool_tags.tag_ids(tokenizer)
+    rows = tool_tags.folder_tag_rows(source, ids) if ids else None
+    if rows is not None and tool_tags.untrained_tool_tags(tokenizer, rows):
+        raise UserError(tool_tags.describe_untrained(base_model))
 
 
 def served_model_dir(base_model: str) -> Path:
@@ -309,8 +314,9 @@ def _cache() -> Path:
 
 
 # The conversion's own format, in its folder's name: raised whenever what a conversion holds changes (2: Qwen's
-# tokenizer as Hugging Face ships it), so a conversion an earlier version kept is never read.
-CONVERSION_FORMAT = 2
+# tokenizer as Hugging Face ships it; 3: untrained tool-call tags given a learnable start), so a conversion an
+# earlier version kept is never read.
+CONVERSION_FORMAT = 3
 
 
 def _converted_directory(gguf: Path) -> Path:
@@ -377,6 +383,10 @@ def _load_gguf(gguf: Path, smollm2: bool) -> tuple[Any, Any]:
     logger.info("loading %s (float32)", gguf.name)
     tokenizer = gguf_tokenizer(gguf, smollm2)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    started = tool_tags.give_tool_tags_a_start(model, tokenizer)
+    if started:
+        logger.info("%s's rows for %s are untrained: given a learnable start (backends/cpu/tool_tags.py)",
+                    gguf.name, " and ".join(started))
     try:
         converted.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=converted.parent, ignore_cleanup_errors=True) as temporary:
