@@ -130,6 +130,15 @@ def test_a_failed_export_leaves_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["email-agent"]  # no output, no temporary folder
 
 
+def test_a_qwen_cpu_run_is_not_exported_as_an_adapter_for_the_hubs_base(tmp_path, capsys):
+    make_run(tmp_path, "q", "cpu", "qwen2.5-0.5b", steps=(1,))
+    assert cli.main(["export", "--model", "q", "--format", "lora", "--output", str(tmp_path / "out"), "--art-dir",
+                     str(tmp_path), "--quiet"]) == 1
+    error = capsys.readouterr().err
+    assert "untrained <tool_call> rows" in error and "--format merged or --format gguf" in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_gpu_run_lora_is_the_adapter_with_a_readme_for_vllm(tmp_path, capsys):
     run = make_run(tmp_path, "qwen", "local", "Qwen/Qwen2.5-7B-Instruct", steps=(1, 2),
                    episode={**SHAPE, "max_turns": 7})

@@ -118,6 +118,11 @@ def check_format(run: Run, fmt: str, base_model: str | None) -> None:
                             "trained")
         if not Path(base_model).is_dir():
             raise UserError(f"--base-model {base_model}: not a folder (a transformers model folder is expected)")
+    if fmt == "lora" and is_qwen25_gguf(run):
+        raise UserError(f"run {run.name!r} is on Qwen2.5-Coder-0.5B as the CPU backend converts it: the model's "
+                        "untrained <tool_call> rows were given a start that the LoRA learned on (docs/cpu-backend.md), "
+                        "so the adapter alone would write no tool call on Hugging Face's "
+                        f"{hub_base(run)}; export --format merged or --format gguf, which carry those rows")
     if fmt == "gguf" and not is_smollm2_gguf(run):
         raise UserError(f"run {run.name!r} is on {run.base_model}, not a GGUF the CPU backend loads (SmolLM2's, "
                         f"Qwen2.5's): --format gguf rewrites those GGUFs only. Export --format merged, then convert "
