@@ -222,7 +222,7 @@ class CPUBackend:
     # -- trainer-thread side ---------------------------------------------------------------------
 
     def _load(self, model, model_dir: str) -> None:
-        base, tokenizer = load_base_model(model.base_model)
+        base, tokenizer = load_base_model(model.base_model, keep=False)  # loaded once per run
         remove_partial_saves(model_dir)
         self._model_dir = model_dir
         step = get_step_from_dir(model_dir)

