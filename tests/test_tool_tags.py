@@ -57,7 +57,7 @@ def test_untrained_tags_start_from_their_spelling_and_can_outscore_it(qwen25_tok
         assert torch.allclose(inputs[tag], inputs[pieces].mean(dim=0))  # read as the text that spells it
         own = outputs[tag] - outputs[pieces[0]]
         assert torch.isclose(own.norm(), outputs[pieces[0]].norm() / 2, rtol=1e-4)
-    assert not tool_tags.untrained_tool_tags(qwen25_tokenizer, outputs[[opening, closing]])
+    assert not tool_tags.untrained_tool_tags(outputs[[opening, closing]])
     # only the two tags moved: the other eleven siblings and every other row are as they were
     changed = (outputs.detach() != before).any(dim=1).nonzero().flatten().tolist()
     assert changed == [opening, closing]

@@ -275,7 +275,7 @@ def check_base_model(base_model: str) -> None:
     check_chat_template(tokenizer, base_model)
     ids = tool_tags.tag_ids(tokenizer)
     rows = tool_tags.folder_tag_rows(source, ids) if ids else None
-    if rows is not None and tool_tags.untrained_tool_tags(tokenizer, rows):
+    if rows is not None and tool_tags.untrained_tool_tags(rows):
         raise UserError(tool_tags.describe_untrained(base_model))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 import torch
 
 TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
@@ -29,7 +30,7 @@ def tag_ids(tokenizer) -> list[int] | None:
     return ids if all(isinstance(i, int) and i != tokenizer.unk_token_id for i in ids) else None
 
 
-def untrained_tool_tags(tokenizer, output_rows: torch.Tensor) -> bool:
+def untrained_tool_tags(output_rows: torch.Tensor) -> bool:
     """Whether `output_rows` (the output layer's rows of `tag_ids`, in order) are one vector: a model that cannot
     write a tool call the hermes parser reads, whatever its LoRA learns."""
     opening, closing = output_rows.float()
@@ -63,7 +64,7 @@ def give_tool_tags_a_start(model, tokenizer, seed: int = 0) -> list[str]:
     (a mean of the pieces' output rows could never outscore the likeliest piece)."""
     ids = tag_ids(tokenizer)
     inputs, outputs = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    if ids is None or not untrained_tool_tags(tokenizer, outputs[ids].detach()):
+    if ids is None or not untrained_tool_tags(outputs[ids].detach()):
         return []
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
