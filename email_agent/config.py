@@ -71,7 +71,7 @@ class TrainConfig:
     sft_only: bool = False  # stop after the warm start
     sft_limit: int = 0  # use at most N warm-start trajectories (0: all)
     sft_epochs: int = 1  # passes over the warm-start trajectories (one checkpoint each)
-    sft_learning_rate: float = 1e-4  # peak; the CPU preset uses 1e-3: a 135M model's LoRA barely moves at 1e-4
+    sft_learning_rate: float = 1e-4  # peak (a GPU's 7B model); the CPU backend's default is 1e-3, constant
     sft_batch_size: int = 8  # trajectories per optimiser step
     sft_schedule: str = "linear"  # rate over all warm-start batches: linear/cosine to 0 after 10% warm-up, or constant
     # GPU (local backend) memory settings and LoRA shape
@@ -115,9 +115,11 @@ def saved_config(cfg: TrainConfig, backend: str) -> dict:
             "backend": backend, "episode": Episode.shaped_as(cfg).shape()}
 
 
-# What a CPU run takes from the demo preset when these flags are not given: its episode shape and batch. The
-# GPU-scale defaults (12 groups x 4 rollouts of up to 10 turns of 2,048 tokens) take hours a step on two cores.
-CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", *SHAPE, "concurrency")
+# What a CPU run takes from the demo preset when these flags are not given: its episode shape, its batch and its
+# warm start's rate. The GPU-scale defaults (12 groups x 4 rollouts of up to 10 turns of 1,024 tokens) take hours
+# a step on two cores, and the GPU's warm-start rate (1e-4, for a 7B model) teaches a small CPU model no tool call.
+CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", *SHAPE, "concurrency", "sft_learning_rate",
+                   "sft_schedule", "sft_batch_size")
 
 
 def given_flags(args) -> dict:

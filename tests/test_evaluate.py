@@ -660,3 +660,14 @@ sys.exit(test_email_search_agent.main(sys.argv[1:]))
                                "--art-dir", str(tmp_path / "art")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130, proc.stderr
     assert f"interrupted: the report is in {out}" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_base_beside_a_gpu_run_points_to_its_first_checkpoint(demo_db_path, tmp_path, capsys):
+    """`base` is the CPU path's SmolLM2 (served by .venv-vllm, which a GPU venv lacks): beside a GPU run the user
+    is told the run's own untrained model, RUN@0, before anything is served."""
+    make_gpu_run(tmp_path / "art")
+    rc = run_cli("--db", demo_db_path, "--model", "base", "--model", "gpu", "--limit", 2,
+                 "--output", tmp_path / "out", "--art-dir", tmp_path / "art")
+    err = capsys.readouterr().err
+    assert rc == 1 and "--model gpu@0" in err and "Qwen/Qwen2.5-7B-Instruct" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

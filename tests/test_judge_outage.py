@@ -249,6 +249,10 @@ def test_a_cpu_run_without_flags_takes_the_cpu_preset(monkeypatch, capsys):
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train"]))
     assert (cfg.groups_per_step, cfg.rollouts_per_group, cfg.max_turns, cfg.max_tokens, cfg.concurrency) == (
         6, 4, 4, 64, 24)
+    # the warm start's rate too: the GPU's 1e-4 moves a small CPU model's LoRA too little to teach a tool call
+    assert (cfg.sft_learning_rate, cfg.sft_schedule, cfg.sft_batch_size) == (1e-3, "constant", 4)
+    assert cli.config_from_args(cli.make_parser().parse_args(
+        ["train", "--sft-learning-rate", "5e-4"])).sft_learning_rate == 5e-4
     assert cli.TrainConfig().groups_per_step == 12  # the GPU-scale defaults stay the dataclass's
     explicit = cli.config_from_args(cli.make_parser().parse_args(["train", "--groups-per-step", "12"]))
     assert explicit.groups_per_step == 12 and explicit.rollouts_per_group == 4

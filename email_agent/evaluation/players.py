@@ -105,6 +105,13 @@ def check_specs(specs: list[str], art_dir: str) -> None:
     minutes on a GPU): a step that is not one, and one checkpoint asked for under two names (RUN and RUN@N where
     N is its latest step). The checks of `open_contestant` stay: `ask` and other callers serve one model."""
     labels = {}
+    art_runs = [run for run in (find_run(split_spec(spec)[0], art_dir) for spec in specs)
+                if run is not None and run.backend != "cpu"]
+    if "base" in specs and art_runs:  # `base` is served by the CPU path's vLLM, which a GPU venv does not hold
+        run = art_runs[0]
+        raise UserError(f"--model base is the CPU path's untrained {CPU_BASE_MODEL}; the untrained model of run "
+                        f"{run.name!r} ({run.backend} backend, {run.base_model}) is its first checkpoint: "
+                        f"--model {run.name}@0")
     for spec in specs:
         name, step = split_spec(spec)
         at = "@" in spec and name != spec
