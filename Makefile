@@ -84,7 +84,7 @@ mutants: setup
 	$(VENV)/bin/mutmut results
 
 # One CUDA GPU: ART's LocalBackend (unsloth + vLLM). Not CI's: no GPU there. The machine is checked (an NVIDIA GPU,
-# Python 3.11, 12 GB free) before 8.6 GB download; FORCE=1 installs anyway, e.g. to prepare a box's venv.
+# Python 3.11, 40 GB free: the venv, ART's vLLM runtime, Qwen's weights) before 8.6 GB download; FORCE=1 installs anyway, e.g. to prepare a box's venv.
 setup-gpu: $(GPU_VENV)/.installed
 
 $(GPU_VENV)/.installed: requirements-gpu.txt

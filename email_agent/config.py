@@ -156,6 +156,7 @@ def check(cfg: TrainConfig) -> None:
         raise UserError("--wandb logs through the wandb package, which is not installed here: "
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     backends.cpu_dtype()  # an environment variable mistyped would otherwise stop the CPU trainer minutes in
+    backends.check_model_folder(cfg.base_model)
     if cfg.keep_checkpoints not in ("best", "all"):
         raise UserError("--keep-checkpoints is best or all")
     if not -1 <= cfg.advantage_balance <= 1:

@@ -16,8 +16,11 @@ import subprocess
 import sys
 from importlib.util import find_spec
 
-# What each install occupies once done, plus pip's downloads on the way (measured on Linux x86_64).
-NEEDED_GB = {"cpu": 6.0, "gpu": 12.0}  # .venv + .venv-vllm: 4.2 GB; .venv-gpu: 8.6 GB
+# What each path occupies once installed and first run, plus pip's downloads on the way (Linux x86_64). cpu:
+# .venv + .venv-vllm, 4.2 GB. gpu: .venv-gpu 8.6 GB (measured), ART's vLLM runtime under ~/.cache/art about 10 GB
+# (a Python 3.12 venv with vLLM's CUDA build), Qwen2.5-7B-Instruct's bf16 weights 15.2 GB in Hugging Face's cache,
+# a run's checkpoints and an export or two (a 7B merged export is another 15 GB, not counted).
+NEEDED_GB = {"cpu": 6.0, "gpu": 40.0}
 WHAT = {"cpu": "make setup", "gpu": "make setup-gpu"}
 PYTHON_FIX = ("install it (Debian 12: sudo apt-get install python3 python3-venv; Ubuntu 22.04: sudo apt-get install "
               "python3.11 python3.11-venv; elsewhere: `uv python install 3.11` or a python:3.11 container) and run "
@@ -49,8 +52,10 @@ def problems(kind: str, free_gb: float, machine: str, system: str, python: tuple
                      "packages: run it on a machine with a CUDA GPU and its driver, or pass FORCE=1 to install "
                      "anyway (preparing a box); the CPU path needs none of it (make demo).")
     if free_gb < NEEDED_GB[kind]:
+        what = ("venvs and downloads" if kind == "cpu" else
+                "the venv, ART's vLLM runtime, Qwen2.5-7B's weights and a run's checkpoints")
         found.append(f"{free_gb:.1f} GB is free here, and {WHAT[kind]} needs about {NEEDED_GB[kind]:.0f} GB "
-                     f"(venvs and downloads): free some space, then run it again.")
+                     f"({what}): free some space, then run it again.")
     return found
 
 

@@ -306,3 +306,28 @@ def test_train_checks_a_gpu_run_before_anything_loads(demo_db_path, tmp_path, mo
     assert cli.main(argv) == 1 and events == ["readiness", "make_backend"]
     events.clear()
     assert cli.main(argv + ["--max-seq-length", "3000"]) == 1 and events == ["readiness"]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "local"])
+def test_a_base_model_folder_without_a_model_is_refused_before_anything_loads(tmp_path, capsys, backend):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    argv = ["train", "--backend", backend, "--art-dir", str(tmp_path / "art"), "--sft-from", "expert"]
+    started = time.perf_counter()
+    assert cli.main([*argv, "--base-model", str(folder)]) == 1
+    err = capsys.readouterr().err
+    missing = err.split("holds no loadable model:")[1].split("missing there")[0]
+    assert "weights" in missing and "tokenizer" in missing and "config.json" not in missing
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "art").exists() and time.perf_counter() - started < 30  # before any model or ART loads
+    assert cli.main([*argv, "--base-model", str(tmp_path / "nowhere")]) == 1
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_a_model_folder_or_a_hub_name_passes_the_folder_check(tmp_path):
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / name).write_text("{}")
+    backends.check_model_folder(str(tmp_path))
+    backends.check_model_folder("Qwen/Qwen2.5-7B-Instruct")
+    backends.check_model_folder("smollm2")

@@ -149,7 +149,9 @@ def test_the_gpu_check_wants_a_gpu_and_more_disk_and_passes_a_gpu_box():
     assert check_machine.problems("gpu", **LINUX) == []
     no_gpu = check_machine.problems("gpu", **{**LINUX, "gpus": None})
     assert len(no_gpu) == 1 and "no NVIDIA GPU" in no_gpu[0] and "FORCE=1" in no_gpu[0]
-    assert "needs about 12 GB" in check_machine.problems("gpu", **{**LINUX, "free_gb": 8.0})[0]
+    # the venv (8.6 GB) is the smaller part: ART's vLLM runtime and the 7B's weights come at the first run
+    short = check_machine.problems("gpu", **{**LINUX, "free_gb": 20.0})
+    assert len(short) == 1 and "needs about 40 GB" in short[0] and "vLLM runtime" in short[0]
 
 
 def test_make_setup_gpu_stops_before_downloading_on_a_machine_without_a_gpu(tmp_path):

@@ -74,3 +74,11 @@ def test_pinned_reads_exact_pins_only(tmp_path):
     requirements.write_text("# a comment\nopenpipe-art[backend]==0.5.18\nFoo_Bar==1.2  # why\nloose>=1\n"
                             "marked==2.0; python_version >= '3.11'\n")
     assert pinned(requirements) == {"openpipe-art": "0.5.18", "foo-bar": "1.2", "marked": "2.0"}
+
+
+def test_the_gpu_venv_runs_every_command(resolution):
+    """`serve` (mcp), `export` and the evaluation run from the GPU venv too: what they import arrives there, at the
+    CPU install's pins."""
+    cpu = pinned(ROOT / "requirements.txt")
+    for name in ("mcp", "openpipe-art", "tqdm", "tenacity"):
+        assert resolution.get(name) == cpu[name], name

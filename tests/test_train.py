@@ -378,9 +378,9 @@ def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, qwen_s
     traced = []
 
     def fake_traced(project, rollout, judge=None):
-        async def wrapper(*args, **kwargs):
-            traced.append(project)
-            return await rollout(*args, **kwargs)
+        async def wrapper(policy, *args, **kwargs):
+            traced.append((project, "validation" if policy.temperature == 0 else "training"))
+            return await rollout(policy, *args, **kwargs)
         return wrapper
 
     monkeypatch.setattr(tracing, "traced_rollout", fake_traced)
@@ -389,7 +389,9 @@ def test_wandb_traces_training_rollouts_with_weave(demo_db, demo_db_path, qwen_s
     train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="w", art_dir=str(tmp_path),
                      db=str(demo_db_path), val_size=1, train_limit=2, groups_per_step=1, rollouts_per_group=2,
                      max_steps=1, eval_every=5, wandb=True, project="p", base_model=str(qwen_style_model_dir))
-    assert traced == ["p", "p"]  # both rollouts of the one training group went through the traced function
+    # both rollouts of the one training group and the validation episodes (before the step and at the end) went
+    # through the traced function
+    assert sorted(traced) == [("p", "training")] * 2 + [("p", "validation")] * 2
 
 
 def test_no_wandb_run_without_the_flag_even_with_a_key(demo_db, demo_db_path, qwen_style_model_dir, tmp_path,

@@ -81,6 +81,30 @@ def cpu_dtype(environ=os.environ) -> str:
     return chosen
 
 
+def check_model_folder(base_model: str) -> None:
+    """A --base-model that names a local folder must hold a transformers model and its tokenizer: refused in one
+    sentence before anything loads (a folder without them ended in transformers' traceback minutes in). A Hugging
+    Face name ("Qwen/Qwen2.5-7B-Instruct") or this project's short names pass untouched."""
+    folder = Path(base_model).expanduser()
+    looks_like_a_path = base_model.startswith((".", "/", "~")) or folder.is_dir()
+    if not looks_like_a_path:
+        return
+    if not folder.is_dir():
+        raise UserError(f"--base-model {base_model}: no such folder (a local model is a folder of config.json, "
+                        f"weights and tokenizer files; a Hugging Face model is its name, e.g. Qwen/Qwen2.5-7B-Instruct)")
+    names = {p.name for p in folder.iterdir()}
+    missing = [what for what, present in (
+        ("config.json", "config.json" in names),
+        ("weights (*.safetensors or pytorch_model*.bin)",
+         any(n.endswith(".safetensors") or n.startswith("pytorch_model") for n in names)),
+        ("a tokenizer (tokenizer.json, tokenizer.model or vocab.json)",
+         bool(names & {"tokenizer.json", "tokenizer.model", "vocab.json"}))) if not present]
+    if missing:
+        raise UserError(f"--base-model {base_model} holds no loadable model: {', '.join(missing)} missing there "
+                        f"(save one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or "
+                        f"`huggingface-cli download NAME --local-dir DIR`)")
+
+
 def resolve_backend(name: str) -> str:
     if name == "auto":
         return "local" if cuda_available() else "cpu"

@@ -27,7 +27,7 @@ import art
 
 from email_agent import backends, cli, runs
 from email_agent.agent import grading, rewards
-from email_agent.agent.rollout import Policy, rollout
+from email_agent.agent.rollout import Policy
 from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines, run_dir, saved_config
 from email_agent.data.questions import Question
 from email_agent.errors import UserError
@@ -205,8 +205,10 @@ async def validate(plan: Plan, model: art.TrainableModel, policy: Policy, step: 
     greedy = replace(policy, temperature=0.0)  # as the evaluation does: less noise per question
     questions = plan.val_questions
     # One-episode groups because only gather_trajectory_groups takes max_metrics: gather_trajectories' bar
-    # shows every metric (~20), a line that wraps and floods the terminal at each refresh.
-    groups = await art.gather_trajectory_groups((art.TrajectoryGroup([rollout(greedy, q, plan.db, plan.episode)])
+    # shows every metric (~20), a line that wraps and floods the terminal at each refresh. plan.rollout: traced
+    # to Weave with --wandb, as training's episodes are.
+    groups = await art.gather_trajectory_groups((art.TrajectoryGroup([plan.rollout(greedy, q, plan.db,
+                                                                                   plan.episode)])
                                                  for q in questions),
                                                 pbar_desc="validate", max_exceptions=len(questions), max_metrics=4)
     trajs = [t for g in groups for t in g.trajectories]
