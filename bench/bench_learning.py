@@ -48,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared import add_training_flags, print_table, run
+from shared import add_training_flags, final_vs_warm, print_pooled, print_table, run
 
 from email_agent.config import DEMO_PRESET
 from email_agent.data.email_db import EmailDB
@@ -227,17 +227,6 @@ def copy_warm_start(source: Path, run_dir: Path, db: Path) -> None:
     print(f"warm start (steps 0-{last}) copied from {source}")
 
 
-def final_vs_warm(summary: dict, warm: str, final: str) -> dict:
-    """The evaluation's pair of the two checkpoints, its counts named for which checkpoint they favour."""
-    pair = next(p for p in summary["pairs"] if {p["a"], p["b"]} == {warm, final})
-    final_first = pair["a"] == final
-    return {"n": pair["n"], "right_final": pair["only_a" if final_first else "only_b"],
-            "right_warm": pair["only_b" if final_first else "only_a"],
-            "higher_final": pair["higher_a" if final_first else "higher_b"],
-            "higher_warm": pair["higher_b" if final_first else "higher_a"],
-            "score_final": summary["models"][final]["score"], "score_warm": summary["models"][warm]["score"]}
-
-
 def print_demo_targets(report: Path, db: Path, warm: str, final: str) -> None:
     """The same two checkpoints on `make demo`'s own 50 questions (the evaluation's first 50 after its seeded
     shuffle, which the bench's first 100 begin with), against issue 55's targets for the main job."""
@@ -258,20 +247,6 @@ def print_demo_targets(report: Path, db: Path, warm: str, final: str) -> None:
               f["hallucination_rate"] <= 0.15)]
     print("issue 55's targets for the main job: " + "; ".join(f"{name} {'met' if ok else 'MISSED'}"
                                                                for name, ok in checks))
-
-
-def print_pooled(pairs: dict[int, dict]) -> None:
-    """Final vs. warm start over all seeds' (seed, question) pairs: the exact tests on the summed counts."""
-    total = {key: sum(p[key] for p in pairs.values()) for key in ("n", "right_final", "right_warm", "higher_final",
-                                                                  "higher_warm")}
-    print(f"\n===== pooled over seeds {', '.join(map(str, pairs))} ({total['n']} question pairs)")
-    print(f"score higher after GRPO on {total['higher_final']}, lower on {total['higher_warm']}: sign test "
-          f"p = {mcnemar_exact(total['higher_final'], total['higher_warm']):.3g} (target < 0.05, final higher)")
-    print(f"right only after GRPO on {total['right_final']}, only in the warm start on {total['right_warm']}: McNemar "
-          f"p = {mcnemar_exact(total['right_final'], total['right_warm']):.3g} (target: right answers not fewer)")
-    mean = sum(p["score_final"] - p["score_warm"] for p in pairs.values()) / len(pairs)
-    print("score change per seed: " + ", ".join(f"seed {s} {p['score_warm']:+.2f} -> {p['score_final']:+.2f}"
-                                                 for s, p in pairs.items()) + f" (mean {mean:+.3f})")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ CONFIGURATIONS = {
                       {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}),
     "rank-64": ("LoRA slots of rank 64 (what the evaluation's server reserves) for the rank-8 adapter", {}),
     "merged": ("the LoRA merged into a copy of the weights, served without LoRA (vLLM then compiles the model)", {}),
+    "bfloat16": ("served in bfloat16 (emulated on a CPU without AMX or AVX512-BF16)",
+                 {"EMAIL_AGENT_CPU_DTYPE": "bfloat16"}),
+    "float32": ("served in float32", {"EMAIL_AGENT_CPU_DTYPE": "float32"}),
 }
 
 

@@ -70,3 +70,30 @@ def paired_test(correct: dict[str, dict], model: str | None, other: str | None) 
     only_other = sum(correct[other][q] and not correct[model][q] for q in both)
     return (f"\n{model} vs. {other} on the same {len(both)} questions: {model} alone right on {only_model}, "
             f"{other} alone right on {only_other}; exact McNemar p = {mcnemar_exact(only_model, only_other):.3g}")
+
+
+def final_vs_warm(summary: dict, warm: str, final: str) -> dict:
+    """The evaluation's pair of the two checkpoints, its counts named for which checkpoint they favour."""
+    pair = next(p for p in summary["pairs"] if {p["a"], p["b"]} == {warm, final})
+    final_first = pair["a"] == final
+    return {"n": pair["n"], "right_final": pair["only_a" if final_first else "only_b"],
+            "right_warm": pair["only_b" if final_first else "only_a"],
+            "higher_final": pair["higher_a" if final_first else "higher_b"],
+            "higher_warm": pair["higher_b" if final_first else "higher_a"],
+            "score_final": summary["models"][final]["score"], "score_warm": summary["models"][warm]["score"]}
+
+
+def print_pooled(pairs: dict[int, dict], against: str = "the warm start") -> None:
+    """The final checkpoint vs. `against` over all seeds' (seed, question) pairs: the exact tests on the summed
+    counts (`pairs`: final_vs_warm's per seed)."""
+    total = {key: sum(p[key] for p in pairs.values()) for key in ("n", "right_final", "right_warm", "higher_final",
+                                                                  "higher_warm")}
+    print(f"\n===== final vs. {against}, pooled over seeds {', '.join(map(str, pairs))} ({total['n']} question pairs)")
+    print(f"score higher in the final agent on {total['higher_final']}, lower on {total['higher_warm']}: sign test "
+          f"p = {mcnemar_exact(total['higher_final'], total['higher_warm']):.3g} (target < 0.05, final higher)")
+    print(f"right only in the final agent on {total['right_final']}, only in {against} on {total['right_warm']}: "
+          f"McNemar p = {mcnemar_exact(total['right_final'], total['right_warm']):.3g} (target: right answers not "
+          f"fewer)")
+    mean = sum(p["score_final"] - p["score_warm"] for p in pairs.values()) / len(pairs)
+    print("score change per seed: " + ", ".join(f"seed {s} {p['score_warm']:+.2f} -> {p['score_final']:+.2f}"
+                                                 for s, p in pairs.items()) + f" (mean {mean:+.3f})")

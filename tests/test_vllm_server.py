@@ -4,6 +4,7 @@ them, and named once as optional where it has none."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from email_agent.backends import vllm_server
 
@@ -42,3 +43,15 @@ def test_the_preloads_are_found_where_this_machine_keeps_them_or_named_once_as_o
     assert vllm_server.environment(python, {})["LD_PRELOAD"] == \
         f"/usr/lib/any-arch/libtcmalloc_minimal.so.4:{python.parent.parent / 'lib' / 'libiomp5.so'}"
     assert vllm_server.environment(python, {"LD_PRELOAD": "mine.so"})["LD_PRELOAD"] == "mine.so"  # the caller's
+
+
+def test_vllm_serves_in_bfloat16_only_where_the_cpu_has_it_in_hardware():
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    avx512_bf16 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n"
+    amx = "flags\t\t: fpu avx2 amx_bf16 amx_tile\n"
+    assert [vllm_server.served_dtype({}, info) for info in (avx2, avx512_bf16, amx)] == [
+        "float32", "bfloat16", "bfloat16"]
+    assert vllm_server.served_dtype({"EMAIL_AGENT_CPU_DTYPE": "bfloat16"}, avx2) == "bfloat16"  # the override wins
+    argv = vllm_server.command(Path("python"), "/m", "base:m", chat_template="t", port=1, lora_rank=0, max_loras=1,
+                               max_model_len=512, max_num_seqs=1, seed=0)
+    assert argv[argv.index("--dtype") + 1] == vllm_server.served_dtype()

@@ -91,7 +91,8 @@ def check_model_folder(base_model: str) -> None:
         return
     if not folder.is_dir():
         raise UserError(f"--base-model {base_model}: no such folder (a local model is a folder of config.json, "
-                        f"weights and tokenizer files; a Hugging Face model is its name, e.g. Qwen/Qwen2.5-7B-Instruct)")
+                        f"weights and tokenizer files; a Hugging Face model is its name, e.g. "
+                        f"Qwen/Qwen2.5-7B-Instruct)")
     names = {p.name for p in folder.iterdir()}
     missing = [what for what, present in (
         ("config.json", "config.json" in names),

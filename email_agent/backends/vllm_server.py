@@ -42,9 +42,10 @@ LAUNCHER = "vllm.entrypoints.launchers.api_server.entry"
 # What ART 0.5.18's UnslothService starts vLLM with (art/unsloth/service.py): hermes tool calls parsed into
 # `tool_calls`, and every sampled token named "token_id:N" in the logprobs, which ART's tokenizer trains on.
 SERVER_ARGS = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "return_tokens_as_token_ids": True}
-# What a CPU adds: bfloat16 (vLLM's CPU kernels; the trainer's float32 LoRA is cast on load), sampling defaults
-# from vLLM rather than from the model's generation_config.json (as ART's runtime does), no request logs.
-CPU_ENGINE_ARGS = {"dtype": "bfloat16", "generation_config": "vllm", "disable_log_stats": True}
+# What a CPU adds: sampling defaults from vLLM rather than from the model's generation_config.json (as ART's
+# runtime does), no request logs; and the dtype this CPU runs fastest (`served_dtype`).
+CPU_ENGINE_ARGS = {"generation_config": "vllm", "disable_log_stats": True}
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names for bfloat16 matmuls in hardware
 KV_CACHE_GIB = 2  # the KV cache (VLLM_CPU_KVCACHE_SPACE): ~90k tokens of SmolLM2-135M, 11 whole contexts
 # vLLM ends its engine when one forward pass of a batch takes over VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s by
 # default). On two cores shared with another job a batch of 24 episodes' prompts went past that, and the run's
@@ -79,6 +80,24 @@ def cli_args(settings: dict) -> list[str]:
     return argv
 
 
+def native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16), read from /proc/cpuinfo's flags (the
+    same CPU features torch's probes test, without importing torch: this module loads for --help)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split()}
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def served_dtype(environ=os.environ, cpuinfo: str | None = None) -> str:
+    """The dtype vLLM serves in: EMAIL_AGENT_CPU_DTYPE when set; bfloat16 where the CPU has it in hardware, float32
+    elsewhere (vLLM's CPU kernels emulate bfloat16 there, slower than float32: bench/RESULTS.md)."""
+    return environ.get("EMAIL_AGENT_CPU_DTYPE") or ("bfloat16" if native_bf16(cpuinfo) else "float32")
+
+
 def vllm_python(environ=os.environ) -> Path:
     """The interpreter vLLM runs in; UserError with the fix if it is not installed."""
     python = Path(environ.get("EMAIL_AGENT_VLLM_PYTHON") or VLLM_PYTHON)
@@ -96,7 +115,8 @@ def command(python: Path, model_dir: str, served_name: str, *, chat_template: st
     settings = {"model": model_dir, "served_model_name": served_name, "chat_template": chat_template,
                 "host": "127.0.0.1", "port": port, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
                 "seed": seed,
-                **SERVER_ARGS, **(lora_engine_args(lora_rank, max_loras) if lora_rank else {}), **CPU_ENGINE_ARGS}
+                **SERVER_ARGS, **(lora_engine_args(lora_rank, max_loras) if lora_rank else {}), **CPU_ENGINE_ARGS,
+                "dtype": served_dtype()}
     if loras:
         settings["lora_modules"] = [f"{name}={folder}" for name, folder in loras.items()]
     return [str(python), "-m", LAUNCHER, *cli_args(settings)]
