@@ -2,6 +2,7 @@
 
     python train_email_search_agent.py build-db --demo          # the bundled demo inbox (offline)
     python train_email_search_agent.py build-db                 # the Enron corpus + ART·E questions from Hugging Face
+    python train_email_search_agent.py inboxes                  # the inboxes --inbox may name, largest first
     python train_email_search_agent.py search --inbox ADDRESS KEYWORD...   # the agent's search tool, for humans
     python train_email_search_agent.py read MESSAGE_ID          # the agent's read tool, for humans
     python train_email_search_agent.py generate-questions --db my.db --model openai/gpt-4.1   # questions for your inbox
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -51,6 +53,22 @@ def build_db(args) -> None:
     print(f"building {db_path} from {source}", file=sys.stderr)
     summary = build.build_database(emails, question_rows, db_path, source=source, total=total, progress=not args.quiet)
     print("\n".join(summary.lines()))
+    with contextlib.closing(EmailDB(db_path)) as db:  # what --inbox may name, largest first
+        largest = ", ".join(f"{address} ({count:,})" for address, count in db.largest_inboxes(5))
+    print(f"inboxes     {largest}; all: python train_email_search_agent.py inboxes --db {db_path}")
+
+
+# ---- inboxes: the addresses --inbox may name -----------------------------------------------------
+
+def inboxes(args) -> None:
+    with contextlib.closing(EmailDB(args.db)) as db:
+        rows, questions = db.largest_inboxes(args.limit or -1), db.question_counts()
+    if args.json:
+        print(json.dumps([{"inbox": a, "emails": n, "questions": questions.get(a, 0)} for a, n in rows], indent=2))
+        return
+    width = max((len(address) for address, _ in rows), default=5)
+    print(f"{'inbox':<{width}}  {'emails':>8}  {'questions':>9}")
+    print("\n".join(f"{address:<{width}}  {count:>8,}  {questions.get(address, 0):>9,}" for address, count in rows))
 
 
 # ---- generate-questions: an LLM writes the question set for an inbox -----------------------------
@@ -161,7 +179,7 @@ def command(sub, name: str, func, parents: list, **texts: str) -> argparse.Argum
 
 
 def add_inbox_commands(sub, console: argparse.ArgumentParser) -> None:
-    """build-db, generate-questions, search, read: the inbox and its questions."""
+    """build-db, generate-questions, inboxes, search, read: the inbox and its questions."""
     p = command(sub, "build-db", build_db, [console], help="build the search database and question sets",
                 description="Build the SQLite/FTS5 email database (and its questions) atomically. "
                             "Example: python train_email_search_agent.py build-db --demo")
@@ -196,6 +214,14 @@ def add_inbox_commands(sub, console: argparse.ArgumentParser) -> None:
     p.add_argument("--before", metavar="DATE", help="only mail sent before DATE (YYYY-MM-DD)")
     p.add_argument("--max-results", type=int, default=10, metavar="N",
                    help="number of results (default 10, clamped to 1..20)")
+
+    p = command(sub, "inboxes", inboxes, [console], help="list the inboxes --inbox may name, with their sizes",
+                description="Every address with mail sent or received in the database, largest first, with how "
+                            "many emails and questions it has. Example: python train_email_search_agent.py "
+                            "inboxes --db data/demo.db")
+    p.add_argument("--db", default=DEFAULT_DB, metavar="PATH", help=f"database (default {DEFAULT_DB})")
+    p.add_argument("--limit", type=int, default=20, metavar="N", help="the N largest (default 20; 0: all)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = command(sub, "read", read, [common, console], help="read one email as the agent does",
                 description="Print one email with its recipients. Example: python train_email_search_agent.py "

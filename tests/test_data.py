@@ -866,3 +866,29 @@ def test_search_and_read_as_of_hide_later_mail(demo_db, demo_db_path, capsys):
     assert all(demo_db.read(m).date[:10] <= before for m in the_day_before)
     assert cli.main(["read", "--db", str(demo_db_path), gold.message_id, "--as-of", before]) == 1
     assert f"exists, but --as-of {before} hides it" in capsys.readouterr().err
+
+
+def test_build_db_and_inboxes_list_the_addresses_inbox_may_name(tmp_path):
+    """--inbox is required by search, ask and serve: build-db names the largest inboxes, `inboxes` lists them all with
+    their emails and questions."""
+    db = tmp_path / "d.db"
+    built = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "build-db", "--demo", "--db",
+                            str(db), "--quiet"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert built.returncode == 0, built.stderr
+    line = next(line for line in built.stdout.splitlines() if line.startswith("inboxes"))
+    with contextlib.closing(EmailDB(db)) as opened:
+        (largest, count), *_ = opened.largest_inboxes(1)
+        asked = opened.question_counts()
+    assert f"{largest} ({count:,})" in line and f"inboxes --db {db}" in line
+    listed = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "inboxes", "--db", str(db),
+                             "--json", "--limit", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    rows = json.loads(listed.stdout)
+    assert rows[0] == {"inbox": largest, "emails": count, "questions": asked.get(largest, 0)}
+    assert [r["emails"] for r in rows] == sorted((r["emails"] for r in rows), reverse=True)
+    assert sum(r["questions"] for r in rows) == sum(asked.values()) > 0
+    table = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "inboxes", "--db", str(db),
+                            "--limit", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    assert table.splitlines()[0].split() == ["inbox", "emails", "questions"] and len(table.splitlines()) == 3
+    missing = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "inboxes", "--db",
+                              str(tmp_path / "none.db")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert missing.returncode == 1 and "No database at" in missing.stderr and "Traceback" not in missing.stderr

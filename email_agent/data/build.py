@@ -71,7 +71,7 @@ def open_sources(*, demo: bool = False, emails: str | None = None, questions: st
     files; or the ART·E corpus and questions from Hugging Face. Local emails without --questions: none."""
     if demo:
         email_rows, question_rows = demo_inbox.generate(seed=0)
-        return email_rows, question_rows, "demo inbox (email_agent/demo.py, seed 0)", len(email_rows)
+        return email_rows, question_rows, "the bundled demo inbox (email_agent/data/demo.py, seed 0)", len(email_rows)
     email_rows = read_emails(emails) if emails else read_hub_emails()
     if questions:
         question_rows = read_questions(questions)

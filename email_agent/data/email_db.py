@@ -224,6 +224,11 @@ class EmailDB:
                                  "GROUP BY address ORDER BY k DESC LIMIT ?",  # pragma: no mutate
                                  (n,)).fetchall()
 
+    def question_counts(self) -> dict[str, int]:
+        """address -> how many questions (either split) ask about its inbox."""
+        return dict(self.conn.execute("SELECT inbox_address, COUNT(*) FROM questions "  # pragma: no mutate
+                                      "GROUP BY inbox_address").fetchall())  # pragma: no mutate
+
     def require_inbox(self, address: str) -> None:
         """UserError naming the largest inboxes when `address` has no mail at all: a typo, not an empty result."""
         if self.inbox_size(address) == 0:
