@@ -163,7 +163,8 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
     grpo = [*train, "--rollouts-per-group", str(args.rollouts_per_group), "--learning-rate", str(args.rl_learning_rate),
             "--temperature", str(args.temperature), "--hallucination-penalty", str(args.hallucination_penalty),
             "--advantage-balance", "0.5", "--no-scale-rewards", "--eval-every", "4",
-            "--concurrency", str(args.groups_per_step * args.rollouts_per_group), "--max-steps", str(args.rl_steps)]
+            "--concurrency", str(args.groups_per_step * args.rollouts_per_group), "--max-steps", str(args.rl_steps),
+            *(["--train-anyway"] if args.quick else [])]  # a few warm-start episodes teach little: the pipeline runs
     return [*train, "--sft-only"], grpo
 
 
@@ -176,7 +177,11 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> tuple[dict, dict, dict]
     times = {}
     if not (report / "summary.json").exists():
         warm_start, grpo = train_commands(args, seed, db, art_dir)
-        times["warm start"] = run(f"warm start, seed {seed}", *warm_start)
+        state = run_dir / "state.json"
+        if state.is_file() and json.loads(state.read_text()).get("sft_done"):  # resumed: not served again for nothing
+            print(f"--- warm start, seed {seed}: done earlier in {run_dir}")
+        else:
+            times["warm start"] = run(f"warm start, seed {seed}", *warm_start)
         times["GRPO"] = run(f"GRPO, seed {seed}", *grpo)
         times["evaluate"] = evaluate(args, db, art_dir, run_dir, report)
     else:

@@ -19,7 +19,10 @@ def run(label: str, *args: str) -> float:
     """Run `python ARGS` in the checkout, as a user would; the seconds it took."""
     print(f"--- {label}: {' '.join(args)}", flush=True)
     started = time.perf_counter()
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
+    done = subprocess.run([sys.executable, *args], cwd=ROOT)
+    if done.returncode != 0:  # the command said why, above; what was done so far is kept
+        raise SystemExit(f"--- {label} stopped (exit {done.returncode}): the reason is above; the work done so far "
+                         f"is kept, and the same command resumes it")
     return time.perf_counter() - started
 
 

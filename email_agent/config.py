@@ -130,7 +130,7 @@ def cpu_preset(args) -> dict:
     """The CPU preset's values a run on the CPU backend (named, or chosen for want of CUDA) takes without --demo:
     those of `CPU_PRESET_KEYS` not given as flags."""
     given = given_flags(args)
-    if given.get("demo") or backends.resolve_backend(given.get("backend", "auto")) != "cpu":
+    if given.get("demo") or not backends.get(given.get("backend", "auto")).on_this_cpu:
         return {}
     return {key: DEMO_PRESET[key] for key in CPU_PRESET_KEYS if key not in given}
 
@@ -204,7 +204,7 @@ def check_warm_start(cfg: TrainConfig) -> None:
     (--preflight measures it instead)."""
     if (cfg.sft_from or cfg.train_anyway or cfg.preflight
             or cfg.base_model not in ("", "smollm2", backends.CPU_BASE_MODEL)
-            or backends.resolve_backend(cfg.backend) != "cpu"
+            or not backends.get(cfg.backend).on_this_cpu
             or not cfg.fresh and read_state(run_dir(cfg)).get("sft_done")):
         return
     what = ("no GPU found, so this run would train SmolLM2-135M-Instruct on the CPU" if cfg.backend == "auto"

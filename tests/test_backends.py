@@ -4,6 +4,7 @@ the LoRA rank vLLM is started with, the guard for ART's megatron import, and `tr
 that cannot run the backend."""
 
 import ast
+import dataclasses
 import subprocess
 import sys
 import time
@@ -82,19 +83,19 @@ def test_the_default_7b_fits_a_24_gb_card_at_the_default_share_and_not_at_the_ol
                                          (40, "Qwen/Qwen2.5-7B-Instruct"), (80, "Qwen/Qwen2.5-14B-Instruct")])
 def test_the_default_local_model_is_the_largest_that_fits_the_card(card, model):
     gpu = readiness.GPU(f"{card} GB", readiness.CARD_GIB.get(card, card * 0.98), card * 0.95)
-    assert backends.default_base_model("local", cli.TrainConfig(), gpu) == model
+    assert backends.get("local").default_base_model(cli.TrainConfig(), gpu) == model
     cfg = config(base_model=model)
     assert readiness.estimate(readiness.QWEN2_5[model], gpu.total_gib, gpu_memory_utilization=0.8,
                                max_seq_length=8192, enforce_eager=False).fits(gpu.total_gib)
     assert cfg.base_model == model
     # without a GPU (a preflight on a laptop) the run is sized for a 24 GB card
-    assert backends.default_base_model("local", cli.TrainConfig(), None) == "Qwen/Qwen2.5-7B-Instruct"
+    assert backends.get("local").default_base_model(cli.TrainConfig(), None) == "Qwen/Qwen2.5-7B-Instruct"
 
 
 def test_remote_backends_default_to_models_they_accept(monkeypatch):
     monkeypatch.setattr(readiness, "installed", lambda module: True)
-    assert backends.default_base_model("serverless", cli.TrainConfig()) in readiness.SERVERLESS_MODELS
-    tinker = backends.default_base_model("tinker", cli.TrainConfig())
+    assert backends.get("serverless").default_base_model(cli.TrainConfig(), None) in readiness.SERVERLESS_MODELS
+    tinker = backends.get("tinker").default_base_model(cli.TrainConfig(), None)
     ready = readiness.check("tinker", config(base_model=tinker), None, environ={"TINKER_API_KEY": "k"})
     assert ready.ok and "Tinker renders it with qwen3_disable_thinking" in ready.lines  # ART's own lookup
     # ART's Tinker renderers do not know Qwen2.5: ART's register would raise "Unknown base model"
@@ -297,11 +298,11 @@ def test_train_checks_a_gpu_run_before_anything_loads(demo_db_path, tmp_path, mo
     check = readiness.check
     monkeypatch.setattr(readiness, "check", lambda *a, **k: events.append("readiness") or check(*a, **k))
 
-    def make_backend(name, cfg):
+    def make_backend(settings):
         events.append("make_backend")
         raise backends.BackendError("stopped here by the test")
 
-    monkeypatch.setattr(backends, "make_backend", make_backend)
+    monkeypatch.setitem(backends.BACKENDS, "local", dataclasses.replace(backends.LOCAL, make=make_backend))
     argv = ["train", "--backend", "local", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "g"]
     assert cli.main(argv) == 1 and events == ["readiness", "make_backend"]
     events.clear()

@@ -64,7 +64,7 @@ def test_the_warm_start_through_art_s_local_backend_trains_exactly_the_assistant
 
         async def go():
             await model.register(backend)
-            form = training_data.argument_form(backends.tokenizer("local", backend, cfg.base_model).chat_template)
+            form = training_data.argument_form(backends.LOCAL.tokenizer(backend, cfg.base_model).chat_template)
             await fine_tune(cfg, model, training_data.for_sft(episodes, form))
             return await model.get_step()
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from email_agent.runs import ART_DIR
 from email_agent.agent.tools import TOOLS
+from email_agent import backends
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.backends.readiness import vllm_lora_rank
 from email_agent.errors import UserError
@@ -83,9 +84,10 @@ def find_checkpoint(spec: str, art_dir: str = ART_DIR) -> tuple[Run, int, Path]:
     if run is None:
         known = ", ".join(r.name for r in list_runs(art_dir)) or "none"
         raise UserError(f"--model {name!r} is not a training run under {art_dir}/*/models/ (runs there: {known})")
-    if run.backend not in ("cpu", "local"):
+    if not backends.get(run.backend).exportable:
+        exportable = " and ".join(b.name for b in backends.BACKENDS.values() if b.exportable)
         raise UserError(f"run {run.name!r} was trained on the {run.backend} backend, which keeps its checkpoints "
-                        f"with the service; export covers runs trained on the cpu and local backends")
+                        f"with the service; export covers runs trained on the {exportable} backends")
     number, folder = run.checkpoint(step)
     return run, number, folder
 
@@ -113,7 +115,7 @@ def check_adapter(folder: Path) -> None:
 def check_format(run: Run, fmt: str, base_model: str | None) -> None:
     """Formats and flags a run's backend and base model allow."""
     if base_model is not None:
-        if run.backend == "cpu":
+        if on_this_cpu(run):
             raise UserError("--base-model is for runs trained on a GPU: a CPU run's base model is loaded as it was "
                             "trained")
         if not Path(base_model).is_dir():
@@ -130,18 +132,23 @@ def check_format(run: Run, fmt: str, base_model: str | None) -> None:
                         f"convert_hf_to_gguf.py (python convert_hf_to_gguf.py DIR --outtype f16)")
 
 
+def on_this_cpu(run: Run) -> bool:
+    """Trained by the CPU backend, which loads its base itself (a GGUF's conversion, its own chat template)."""
+    return backends.get(run.backend).on_this_cpu
+
+
 def is_smollm2_gguf(run: Run) -> bool:
     """Whether the run is a CPU run on a base the CPU backend loads from a GGUF (SmolLM2's or Qwen2.5's)."""
     # here, not at the top: backends.cpu.model imports torch and transformers (seconds), which --help never needs
     from email_agent.backends.cpu.model import GGUF_NAMES
 
-    return run.backend == "cpu" and run.base_model in GGUF_NAMES
+    return on_this_cpu(run) and run.base_model in GGUF_NAMES
 
 
 def is_qwen25_gguf(run: Run) -> bool:
     from email_agent.backends.cpu.model import QWEN25_NAMES
 
-    return run.backend == "cpu" and run.base_model in QWEN25_NAMES
+    return on_this_cpu(run) and run.base_model in QWEN25_NAMES
 
 
 def check_output(output: Path, force: bool) -> Path:
@@ -190,7 +197,7 @@ def write_lora(run: Run, checkpoint: Path, folder: Path) -> None:
     config["base_model_name_or_path"] = hub_base(run)
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     shutil.copyfile(checkpoint / "adapter_model.safetensors", folder / "adapter_model.safetensors")
-    if run.backend == "cpu":
+    if on_this_cpu(run):
         (folder / TEMPLATE_NAME).write_text(cpu_chat_template(run), encoding="utf-8")
 
 
@@ -213,7 +220,7 @@ def merged_model(run: Run, checkpoint: Path, base_model: str | None):
     # here, not at the top (and the imports below): peft, transformers and backends.cpu import torch (seconds)
     from peft import PeftModel
 
-    if run.backend == "cpu":
+    if on_this_cpu(run):
         from email_agent.backends.cpu import load_base_model
         from email_agent.backends.cpu.checkpoints import load_merged
 
@@ -380,7 +387,7 @@ def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
     rank = vllm_lora_rank(run.config.get("lora_rank", 8))
     vllm_tools = "--enable-auto-tool-choice --tool-call-parser hermes"
     if fmt == "lora":
-        template = f" --chat-template {where}/{TEMPLATE_NAME}" if run.backend == "cpu" else ""
+        template = f" --chat-template {where}/{TEMPLATE_NAME}" if on_this_cpu(run) else ""
         return ["vLLM (an OpenAI-compatible server; the model is then called `agent`):", "", "```bash",
                 f"vllm serve {base} --enable-lora --max-lora-rank {rank} --lora-modules agent={where} "
                 f"{vllm_tools}{template}", "```", "",
@@ -390,7 +397,7 @@ def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
                 f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), {where!r})",
                 f"tokenizer = AutoTokenizer.from_pretrained({base!r})",
                 *([f"tokenizer.chat_template = open({where + '/' + TEMPLATE_NAME!r}).read()  # the template it "
-                   f"was trained with"] if run.backend == "cpu" else []),
+                   f"was trained with"] if on_this_cpu(run) else []),
                 "```", "", evaluate_served(run, "http://HOST:8000/v1")]
     if fmt == "merged":
         return ["transformers (the chat template with the tools is in the folder):", "", "```python",

@@ -6,8 +6,10 @@
   serverless  ART's ServerlessBackend (W&B Training; needs WANDB_API_KEY)
   tinker      ART's TinkerBackend (needs TINKER_API_KEY and openpipe-art[tinker])
 
-This module only picks and builds one, and builds the model's ART settings from `BackendSettings` (what of a run
-they read); it hides nothing else.
+Each is a `Backend` (`get(name)`): how it is made and checked, its default base model, the tokenizer training
+data is rendered with, ART's model settings for it, and what the rest of the tool may do with its runs (serve a
+checkpoint here, export it). Training, evaluation and the apps ask it; none of them compares backend names.
+Adding one is a `Backend` in `BACKENDS` (docs/development.md).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import json
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, Callable
 
 from email_agent.errors import UserError
 from email_agent.runs import ART_DIR, run_path
 from email_agent.backends import readiness
 from email_agent.backends.vllm_server import lora_engine_args
 
-BACKENDS = ("cpu", "local", "serverless", "tinker")
 CPU_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 LOCAL_MAX_LORAS = 2  # ART 0.5.18's own default: the latest step and one more
 CPU_DTYPES = ("float32", "bfloat16")  # what EMAIL_AGENT_CPU_DTYPE may name: the CPU backend's inference dtype
@@ -85,6 +87,8 @@ def check_model_folder(base_model: str) -> None:
     """A --base-model that names a local folder must hold a transformers model and its tokenizer: refused in one
     sentence before anything loads (a folder without them ended in transformers' traceback minutes in). A Hugging
     Face name ("Qwen/Qwen2.5-7B-Instruct") or this project's short names pass untouched."""
+    if not base_model:  # the backend's default
+        return
     folder = Path(base_model).expanduser()
     looks_like_a_path = base_model.startswith((".", "/", "~")) or folder.is_dir()
     if not looks_like_a_path:
@@ -104,27 +108,6 @@ def check_model_folder(base_model: str) -> None:
         raise UserError(f"--base-model {base_model} holds no loadable model: {', '.join(missing)} missing there "
                         f"(save one with model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or "
                         f"`huggingface-cli download NAME --local-dir DIR`)")
-
-
-def resolve_backend(name: str) -> str:
-    if name == "auto":
-        return "local" if cuda_available() else "cpu"
-    if name not in BACKENDS:
-        raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} or auto")
-    return name
-
-
-def default_base_model(backend: str, settings: BackendSettings, gpu: "readiness.GPU | None" = None) -> str:
-    """A model the backend supports: SmolLM2 on CPU; on a GPU the largest Qwen2.5-Instruct that fits the card
-    found at the run's memory settings (a 24 GB card when there is none); the remote backends' own models."""
-    if backend == "cpu":
-        return CPU_BASE_MODEL
-    if backend == "local":
-        card = gpu.total_gib if gpu else readiness.CARD_GIB[readiness.NO_GPU_CARD_GB]
-        return readiness.default_local_model(card, gpu_memory_utilization=settings.gpu_memory_utilization,
-                                              max_seq_length=settings.max_seq_length,
-                                              enforce_eager=settings.enforce_eager)
-    return readiness.DEFAULT_MODELS[backend]
 
 
 def internal_config(settings: BackendSettings):
@@ -150,74 +133,6 @@ def internal_config(settings: BackendSettings):
     )
 
 
-def tokenizer(backend_name: str, backend, base_model: str):
-    """The tokenizer the backend trains with (its chat template renders what is trained): the CPU backend's own;
-    for LocalBackend the model's, as ART loads it; None for remote backends, which render on their side."""
-    if backend_name == "cpu":
-        return backend.trainer.tokenizer
-    if backend_name == "local":
-        # here, not at the top: transformers takes ~2 s to import (torch), and this module loads for --help
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(base_model)
-    return None
-
-
-def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
-    """Without --wandb, take WANDB_API_KEY out of this process's environment for LocalBackend and Tinker: ART
-    0.5.18 starts a W&B run at `register` and at every `train` whenever the key is set, whatever
-    `report_metrics` says. Serverless keeps it (W&B Training authenticates with it). True if it was hidden."""
-    if wandb or backend not in ("local", "tinker") or "WANDB_API_KEY" not in environ:
-        return False
-    del environ["WANDB_API_KEY"]
-    return True
-
-
-def make_backend(name: str, settings: BackendSettings):
-    """Build the chosen backend where `settings.art_dir` keeps its runs."""
-    if name == "cpu":
-        # here, not at the top: the CPU backend imports torch, transformers, peft and ART (seconds)
-        from email_agent.backends.cpu import CPUBackend
-        from email_agent.backends.cpu.model import check_base_model
-
-        check_base_model(settings.base_model)
-        s = settings
-        return CPUBackend(path=s.art_dir, seed=s.seed, lora_rank=s.lora_rank, lora_alpha=s.lora_alpha,
-                          train_threads=s.cpu_train_threads or len(os.sched_getaffinity(0)))
-    if name == "local":
-        if not cuda_available():
-            raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")
-        try:
-            # optional: ART's GPU extra may be missing (the ImportError below); ART imports torch (seconds)
-            from art.local import LocalBackend
-        except ImportError as exc:
-            raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt "
-                               f"({exc})") from exc
-        readiness.allow_art_without_megatron()
-        readiness.put_venv_uv_on_path()
-        return LocalBackend(path=settings.art_dir)
-    if name == "serverless":
-        if not os.environ.get("WANDB_API_KEY"):
-            raise BackendError("--backend serverless trains on W&B Training: set WANDB_API_KEY first.")
-        # here, not at the top: ART imports torch and transformers (seconds)
-        import art
-
-        return art.ServerlessBackend()  # reads WANDB_API_KEY itself
-    if name == "tinker":
-        if not os.environ.get("TINKER_API_KEY"):
-            raise BackendError("--backend tinker needs TINKER_API_KEY in the environment.")
-        try:
-            # optional: art.tinker needs openpipe-art[tinker] (the ImportError below)
-            from art.tinker.backend import TinkerBackend
-        except ImportError as exc:
-            raise BackendError(f"--backend tinker needs ART's tinker extra: pip install "
-                               f"'openpipe-art[tinker]==0.5.18' ({exc})") from exc
-        readiness.allow_art_without_megatron()
-        # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
-        return TinkerBackend(path=settings.art_dir)
-    raise BackendError(f"unknown backend {name!r}")
-
-
 async def keep_latest_and_best(model, backend, latest: int, also: tuple[int, ...] = ()) -> None:
     """Delete every checkpoint but the latest, the one with the best mean val/reward and the steps in `also`
     (the warm start's last: what GRPO started from, for the evaluation to compare with).
@@ -238,3 +153,136 @@ async def keep_latest_and_best(model, backend, latest: int, also: tuple[int, ...
     if rewards_by_step:
         keep.add(max(rewards_by_step, key=lambda s: (sum(rewards_by_step[s]) / len(rewards_by_step[s]), s)))
     await backend._delete_checkpoint_files(model, sorted(keep))
+
+
+# ---- the backends --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Backend:
+    """One place a run trains and is served, and what the rest of the tool may do with its runs."""
+
+    name: str
+    make: Callable[[BackendSettings], Any]  # the ART backend where `settings.art_dir` keeps its runs (BackendError)
+    default_base_model: Callable[[BackendSettings, Any], str]  # (settings, the GPU found or None) -> a model it runs
+    # the tokenizer the training data is rendered with: (the ART backend, base model) -> tokenizer, None: the
+    # service renders
+    tokenizer: Callable[[Any, str], Any] = lambda backend, base_model: None
+    model_config: Callable[[BackendSettings], Any] = lambda settings: None  # ART's _internal_config for the model
+    on_this_cpu: bool = False  # trains and serves on this machine's CPU: the CPU preset, its checks and step costs
+    served_here: bool = False  # its checkpoints are served by this project's vLLM (evaluation, ask, serve), base too
+    serves_latest_only: bool = False  # ART serves its latest step alone: another is loaded into vLLM by name
+    exportable: bool = False  # its checkpoints are LoRA folders in the run folder, which `export` reads
+    wandb_key_hidden: bool = False  # ART starts W&B runs whenever WANDB_API_KEY is set: hidden without --wandb
+    needs_gpu: bool = False  # readiness looks for a CUDA GPU (and sizes the default model by it)
+
+    def readiness(self, settings: BackendSettings, gpu) -> readiness.Readiness | None:
+        """What it needs that is missing here, told in seconds before anything loads (None: nothing to check
+        beyond the base model, which `make` checks)."""
+        return None if self.on_this_cpu else readiness.check(self.name, settings, gpu)
+
+    def find_gpu(self):
+        return readiness.find_gpu() if self.needs_gpu else None
+
+
+def _make_cpu(settings: BackendSettings):
+    # here, not at the top: the CPU backend imports torch, transformers, peft and ART (seconds)
+    from email_agent.backends.cpu import CPUBackend
+    from email_agent.backends.cpu.model import check_base_model
+
+    check_base_model(settings.base_model)
+    s = settings
+    return CPUBackend(path=s.art_dir, seed=s.seed, lora_rank=s.lora_rank, lora_alpha=s.lora_alpha,
+                      train_threads=s.cpu_train_threads or len(os.sched_getaffinity(0)))
+
+
+def _make_local(settings: BackendSettings):
+    if not cuda_available():
+        raise BackendError("--backend local needs a CUDA GPU (torch sees none); use --backend cpu here.")
+    try:
+        # optional: ART's GPU extra may be missing (the ImportError below); ART imports torch (seconds)
+        from art.local import LocalBackend
+    except ImportError as exc:
+        raise BackendError(f"--backend local needs ART's GPU extra: pip install -r requirements-gpu.txt "
+                           f"({exc})") from exc
+    readiness.allow_art_without_megatron()
+    readiness.put_venv_uv_on_path()
+    return LocalBackend(path=settings.art_dir)
+
+
+def _make_serverless(settings: BackendSettings):
+    if not os.environ.get("WANDB_API_KEY"):
+        raise BackendError("--backend serverless trains on W&B Training: set WANDB_API_KEY first.")
+    # here, not at the top: ART imports torch and transformers (seconds)
+    import art
+
+    return art.ServerlessBackend()  # reads WANDB_API_KEY itself
+
+
+def _make_tinker(settings: BackendSettings):
+    if not os.environ.get("TINKER_API_KEY"):
+        raise BackendError("--backend tinker needs TINKER_API_KEY in the environment.")
+    try:
+        # optional: art.tinker needs openpipe-art[tinker] (the ImportError below)
+        from art.tinker.backend import TinkerBackend
+    except ImportError as exc:
+        raise BackendError(f"--backend tinker needs ART's tinker extra: pip install "
+                           f"'openpipe-art[tinker]==0.5.18' ({exc})") from exc
+    readiness.allow_art_without_megatron()
+    # Never pass the key as an argument: ART 0.5.18 prints a key given that way.
+    return TinkerBackend(path=settings.art_dir)
+
+
+def _local_base_model(settings: BackendSettings, gpu) -> str:
+    """The largest Qwen2.5-Instruct that fits the card found at the run's memory settings (a 24 GB card when
+    there is none)."""
+    card = gpu.total_gib if gpu else readiness.CARD_GIB[readiness.NO_GPU_CARD_GB]
+    return readiness.default_local_model(card, gpu_memory_utilization=settings.gpu_memory_utilization,
+                                          max_seq_length=settings.max_seq_length, enforce_eager=settings.enforce_eager)
+
+
+def _hub_tokenizer(backend, base_model: str):
+    """The model's own tokenizer, as ART's LocalBackend loads it."""
+    # here, not at the top: transformers takes ~2 s to import (torch), and this module loads for --help
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_model)
+
+
+CPU = Backend("cpu", _make_cpu, lambda settings, gpu: CPU_BASE_MODEL,
+              tokenizer=lambda backend, base_model: backend.trainer.tokenizer, on_this_cpu=True, served_here=True,
+              exportable=True)
+LOCAL = Backend("local", _make_local, _local_base_model, tokenizer=_hub_tokenizer, model_config=internal_config,
+                serves_latest_only=True, exportable=True, wandb_key_hidden=True, needs_gpu=True)
+SERVERLESS = Backend("serverless", _make_serverless, lambda settings, gpu: readiness.DEFAULT_MODELS["serverless"])
+TINKER = Backend("tinker", _make_tinker, lambda settings, gpu: readiness.DEFAULT_MODELS["tinker"],
+                 wandb_key_hidden=True)
+BACKENDS = {b.name: b for b in (CPU, LOCAL, SERVERLESS, TINKER)}  # the --backend choices, besides auto
+
+
+def resolve_backend(name: str) -> str:
+    """--backend's value -> a backend's name (auto: local with CUDA, else cpu); BackendError for an unknown one."""
+    if name == "auto":
+        return LOCAL.name if cuda_available() else CPU.name
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} or auto")
+    return name
+
+
+def get(name: str) -> Backend:
+    """The backend --backend names (auto resolved), or the one a saved run names."""
+    return BACKENDS[resolve_backend(name)]
+
+
+def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
+    """Without --wandb, take WANDB_API_KEY out of this process's environment for LocalBackend and Tinker: ART
+    0.5.18 starts a W&B run at `register` and at every `train` whenever the key is set, whatever
+    `report_metrics` says. Serverless keeps it (W&B Training authenticates with it). True if it was hidden."""
+    if wandb or not get(backend).wandb_key_hidden or "WANDB_API_KEY" not in environ:
+        return False
+    del environ["WANDB_API_KEY"]
+    return True
+
+
+def make_backend(name: str, settings: BackendSettings):
+    """Build the named backend where `settings.art_dir` keeps its runs."""
+    return get(name).make(settings)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from email_agent.agent.episode import SHAPE, Episode
+from email_agent import backends
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import UserError
 from email_agent.evaluation.serving import Servers
@@ -60,6 +61,11 @@ class Contestant:
     @property
     def tool_choice(self) -> str:
         return self.policy.tool_choice or "auto"
+
+    @property
+    def served_here(self) -> bool:
+        """Served by this project's vLLM on this machine (base and CPU runs): such models take turns (`Schedule`)."""
+        return self.backend in backends.BACKENDS and backends.get(self.backend).served_here
 
     def episode(self, scoring: Episode) -> Episode:
         """The episode this contestant plays: its own shape, scored as `scoring` says (the evaluation's reward
@@ -106,7 +112,7 @@ def check_specs(specs: list[str], art_dir: str) -> None:
     N is its latest step). The checks of `open_contestant` stay: `ask` and other callers serve one model."""
     labels = {}
     art_runs = [run for run in (find_run(split_spec(spec)[0], art_dir) for spec in specs)
-                if run is not None and run.backend != "cpu"]
+                if run is not None and not backends.get(run.backend).served_here]
     if "base" in specs and art_runs:  # `base` is served by the CPU path's vLLM, which a GPU venv does not hold
         run = art_runs[0]
         raise UserError(f"--model base is the CPU path's untrained {CPU_BASE_MODEL}; the untrained model of run "
@@ -124,7 +130,7 @@ def check_specs(specs: list[str], art_dir: str) -> None:
             continue
         if step not in ("", "latest") and not is_step(step):
             raise UserError(f"--model {spec}: a step is a number or 'latest'.")
-        if run.backend == "cpu":  # its checkpoints are here to count; an ART backend's are its own
+        if backends.get(run.backend).served_here:  # its checkpoints are here to count; an ART backend's are its own
             label = f"{run.name}@{run.checkpoint(step)[0]}"
             if label in labels:
                 raise UserError(f"--model: {label} is given twice ({labels[label]} and {spec}); each model is "
@@ -142,7 +148,7 @@ class Schedule:
 
     def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int,
                  cpu_at_once: int | None = None) -> None:
-        cpu = [c.label for c in contestants if c.backend == "cpu"]
+        cpu = [c.label for c in contestants if c.served_here]
         self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in contestants}
         self._go = {label: asyncio.Event() for label in cpu}
         at_once = max(1, cpu_at_once or os.cpu_count() or 1)
@@ -187,7 +193,7 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
     run = find_run(name, options.art_dir)
     if run is not None:
         shape = run.shape.override(**options.shape)
-        if run.backend == "cpu":
+        if backends.get(run.backend).served_here:
             number, ckpt = run.checkpoint(step)
             label = f"{run.name}@{number}"
             try:
@@ -198,14 +204,14 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
                                              f"{run.name}@{others[-1]})." if others else "")) from None
         else:
             client, label, served = await servers.with_art(run, step)
-        policy = Policy(client, label if run.backend == "cpu" else served, **common)
+        policy = Policy(client, label if backends.get(run.backend).served_here else served, **common)
         return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl",
                           step=int(label.rpartition("@")[2]))
 
     shape = (default_shape or Episode()).override(**options.shape)
     if name == "base":  # check_specs refused base@N
         client, label = await servers.on_cpu(options.base_model, None, None)
-        return Contestant(label, Policy(client, label, **common), shape, "cpu")
+        return Contestant(label, Policy(client, label, **common), shape, backends.CPU.name)
 
     provider, _, model = name.partition("/")
     if not model:
@@ -232,7 +238,7 @@ def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
     ranks = [8]
     for spec in specs:
         run = find_run(split_spec(spec)[0], art_dir)
-        if run is not None and run.backend == "cpu":
+        if run is not None and backends.get(run.backend).served_here:
             ranks.append(run.config.get("lora_rank", 8))
     return max(ranks)
 

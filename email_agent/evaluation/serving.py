@@ -82,7 +82,7 @@ class Servers:
                 model = await self._register(run, step)
             latest = await model.get_step()
             wanted = latest if step in ("", "latest") else int(step)
-            if run.backend == "local" and wanted != latest:
+            if backends.get(run.backend).serves_latest_only and wanted != latest:
                 # ART 0.5.18 serves only the latest step and has no public call for another: load that LoRA
                 # into the running vLLM the way ART itself does after each training step.
                 _, folder = run.checkpoint(str(wanted))
@@ -107,13 +107,13 @@ class Servers:
         settings = backends.BackendSettings.of(run.config, art_dir=run.art_dir)
         backends.hide_wandb_key(run.backend, wandb=False)  # ART would start a W&B run to serve it
         try:
-            backend = backends.make_backend(run.backend, settings)
+            backend = backends.get(run.backend).make(settings)
         except backends.BackendError as exc:
             raise UserError(cannot_serve(run, step, str(exc))) from None
         self._stack.push_async_callback(backend.close)
         model = art.TrainableModel(
             name=run.name, project=run.project, base_model=run.base_model, base_path=run.art_dir,
-            _internal_config=backends.internal_config(settings) if run.backend == "local" else None)
+            _internal_config=backends.get(run.backend).model_config(settings))
         await model.register(backend)
         self._art[run.path] = model
         return model

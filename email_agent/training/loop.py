@@ -40,15 +40,15 @@ async def train(cfg: TrainConfig) -> None:
     plan = await run_plan.resolve(cfg)  # everything that can refuse the run, before anything is saved or loads
     cfg = plan.config
     # fails here, before anything is saved, if it cannot run
-    backend = backends.make_backend(plan.backend, plan.backend_settings)
+    backend = plan.backend.make(plan.backend_settings)
     new_run = not run_dir(cfg).exists()
-    runs.start(run_dir(cfg), saved_config(cfg, plan.backend), fresh=cfg.fresh, preflight=cfg.preflight)
+    runs.start(run_dir(cfg), saved_config(cfg, plan.backend.name), fresh=cfg.fresh, preflight=cfg.preflight)
     model = trainable_model(plan)
     print("\n".join(opening_summary(plan)), file=sys.stderr)
     try:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_concurrency=cfg.concurrency)
-        tokenizer = backends.tokenizer(plan.backend, backend, cfg.base_model)  # None: a remote backend renders
+        tokenizer = plan.backend.tokenizer(backend, cfg.base_model)  # None: a remote backend renders
         arguments = training_data.argument_form(tokenizer.chat_template if tokenizer else None)
         state = await runs.check_state(run_dir(cfg), plan.state, model)  # may reopen a warm start (deleted checkpoints)
         warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
@@ -74,7 +74,7 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
                arguments: training_data.ArgumentForm) -> None:
     """GRPO's steps, each gathered, judged, trained on and logged, validated as due; then the checkpoints kept."""
     cfg = plan.config
-    if plan.backend == "cpu":
+    if plan.backend.on_this_cpu:
         await say_what_a_cpu_step_costs(plan, policy, backend.max_num_seqs)
     warnings = step_health.Warnings(cfg.temperature)
     for batch in batches:
@@ -117,16 +117,15 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
 
 def trainable_model(plan: Plan) -> art.TrainableModel:
     cfg = plan.config
-    local = backends.internal_config(plan.backend_settings) if plan.backend == "local" else None
     return art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model,
                               base_path=cfg.art_dir, report_metrics=["wandb"] if cfg.wandb else [],
-                              _internal_config=local)
+                              _internal_config=plan.backend.model_config(plan.backend_settings))
 
 
 def opening_summary(plan: Plan) -> list[str]:
     """What the run is about to do, for a person, at its start."""
     episode = plan.episode
-    return opening_lines(plan.config, plan.backend, len(plan.train_questions),
+    return opening_lines(plan.config, plan.backend.name, len(plan.train_questions),
                          len(plan.rl_questions) - len(plan.train_questions), len(plan.val_questions), plan.rl_steps,
                          rewards.describe(episode.reward, episode.judge, plan.ruler_model,
                                           plan.ruler_params.get("api_base"), episode.hallucination_penalty),

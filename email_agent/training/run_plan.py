@@ -29,7 +29,7 @@ class Plan:
     """What a run will do, resolved once: plain data the loop reads."""
 
     config: TrainConfig  # the flags, with the base model resolved; never changed after `resolve`
-    backend: str  # cpu | local | serverless | tinker
+    backend: backends.Backend  # where it trains and is served (backends.BACKENDS)
     backend_settings: backends.BackendSettings  # what the backend and ART's model settings read of the run
     db: EmailDB
     val_questions: list[Question]
@@ -60,18 +60,18 @@ def note(line: str) -> None:
 
 async def resolve(cfg: TrainConfig) -> Plan:
     """The run `cfg` asks for, resolved (or refused in one sentence); nothing is saved and no model loads."""
-    backend = backends.resolve_backend(cfg.backend)
-    gpu = backends.readiness.find_gpu() if backend == "local" else None
-    base_model = cfg.base_model or backends.default_base_model(backend, backends.BackendSettings.of(cfg), gpu)
+    backend = backends.get(cfg.backend)
+    gpu = backend.find_gpu()
+    base_model = cfg.base_model or backend.default_base_model(backends.BackendSettings.of(cfg), gpu)
     if base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
         base_model = backends.CPU_BASE_MODEL
     cfg = replace(cfg, base_model=base_model)
     settings = backends.BackendSettings.of(cfg)
-    if backend != "cpu":  # what an ART backend needs, told in seconds, before anything loads
-        ready = backends.readiness.check(backend, settings, gpu)
+    ready = backend.readiness(settings, gpu)  # what an ART backend needs, told in seconds, before anything loads
+    if ready is not None:
         print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
         if not ready.ok:
-            raise UserError(f"--backend {backend} cannot start here; missing: " + "; ".join(ready.missing))
+            raise UserError(f"--backend {backend.name} cannot start here; missing: " + "; ".join(ready.missing))
     if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
         build_demo_inbox(cfg.db)
     db = EmailDB(cfg.db)
@@ -86,13 +86,13 @@ async def resolve(cfg: TrainConfig) -> Plan:
         raise UserError("--reward ruler needs --ruler-model or --judge-model.")
     episode = replace(Episode.shaped_as(cfg), reward=reward_mode, judge=judge,
                       hallucination_penalty=cfg.hallucination_penalty)
-    if backends.hide_wandb_key(backend, cfg.wandb):
+    if backends.hide_wandb_key(backend.name, cfg.wandb):
         note("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run")
     # The run's state and the warm start's episodes are checked before the run is saved and the model loads
     # (minutes on a GPU): a damaged state or a teacher folder with nothing to learn from fails first.
     state = {}
     if not cfg.fresh:
-        runs.check_resumable(run_dir(cfg), saved_config(cfg, backend))
+        runs.check_resumable(run_dir(cfg), saved_config(cfg, backend.name))
         state = runs.read_state(run_dir(cfg))
     sft_episodes = (await warm_start.warm_start_episodes(cfg, db, train_questions, val_questions, episode)
                     if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
