@@ -1,8 +1,12 @@
-"""The README and docs/ as a user reads them: every command they show parses with the scripts' own parsers, so a
-renamed or removed flag fails here instead of in a user's terminal; the README stays a guide, not a notebook."""
+"""The README and docs/ as a user reads them: every command their code blocks show parses with the real parsers
+(the two scripts', each bench script's own argparse, the Makefile's targets and variables), so a renamed or removed
+flag, target or variable fails here instead of in a user's terminal; the README stays a guide, not a notebook."""
 
+import argparse
 import re
+import runpy
 import shlex
+import sys
 
 import pytest
 
@@ -13,21 +17,65 @@ import train_email_search_agent as cli
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = {"train_email_search_agent.py": cli.make_parser, "test_email_search_agent.py": evaluate_cli.make_parser}
+SHELL_LANGUAGES = ("", "bash", "sh", "shell", "console")
+SAMPLE_VALUE = "x"  # what a shell variable the block does not define stands for
+
+
+def code_blocks(text: str):
+    """The text of each fenced code block in a shell language (```bash, ```sh or a bare ```), fences indented
+    inside list items included; other languages (```json) and the prose between blocks are not commands."""
+    language, lines = None, []
+    for line in text.splitlines():
+        fence = re.match(r"^\s*```\s*(\w*)\s*$", line)
+        if fence and language is None:
+            language, lines = fence.group(1), []
+        elif fence:
+            if language in SHELL_LANGUAGES:
+                yield "\n".join(lines) + "\n"
+            language = None
+        elif language is not None:
+            lines.append(line)
+
+
+ASSIGNMENT = re.compile(r"^[ \t]*(?:export[ \t]+)?([A-Za-z_]\w*)=(?:\"([^\"]*)\"|'([^']*)'|(\S*))[^\n]*$", re.M)
+
+
+def assignments(block: str) -> dict[str, str]:
+    """The shell variables a block sets (`RUN="--name qwen7b ..."`, across lines when quoted), whitespace folded."""
+    return {m.group(1): " ".join((m.group(2) or m.group(3) or m.group(4) or "").split())
+            for m in ASSIGNMENT.finditer(block)}
+
+
+def substitute(command: str, variables: dict[str, str]) -> str:
+    """Shell variables replaced as the shell would: by the value the block gave them, else by a sample value;
+    command substitutions `$(...)` by the sample value."""
+    command = re.sub(r"\$\([^)]*\)", SAMPLE_VALUE, command)
+    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: variables.get(m.group(1), SAMPLE_VALUE), command)
+
+
+def shown_lines(page):
+    """(line as shown, command with its variables substituted) of each line of the page's shell code blocks:
+    continued lines joined, comments dropped, the block's own assignments substituted; lines with an elision
+    ('...') left out: they are not commands as typed."""
+    for block in code_blocks(page.read_text()):
+        variables = assignments(block)
+        for line in ASSIGNMENT.sub("", block).replace("\\\n", " ").splitlines():
+            command = line.split(" #", 1)[0].strip()
+            if not command or command.startswith("#") or "..." in command:
+                continue
+            yield line.strip(), substitute(command, variables)
 
 
 def shown_commands(page):
-    """(line, argv) of each script command in the page's code blocks (continued lines joined; lines with shell
-    variables or elisions left out: they are not commands as typed)."""
-    text = page.read_text()
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            command = line.split(" #", 1)[0].strip()
-            if "$" in command or "..." in command or not any(script in command for script in SCRIPTS):
-                continue  # shell variables, elisions and printed output are not commands as typed
-            words = shlex.split(command)
-            for i, word in enumerate(words):
-                if word.endswith(tuple(SCRIPTS)) and i > 0 and words[i - 1].endswith("python"):
-                    yield line.strip(), word.rsplit("/", 1)[-1], words[i + 1:]
+    """(line, script, argv) of each script command in the page's code blocks, whatever python runs it (`python`,
+    `.venv/bin/python`, `.venv-gpu/bin/python`)."""
+    for line, command in shown_lines(page):
+        if not any(script in command for script in SCRIPTS):
+            continue
+        words = shlex.split(command)
+        for i, word in enumerate(words):
+            if word.endswith(tuple(SCRIPTS)) and i > 0 and words[i - 1].endswith("python"):
+                yield line, word.rsplit("/", 1)[-1], words[i + 1:]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
@@ -42,11 +90,159 @@ def test_every_command_shown_parses(page):
         assert len(commands) >= 20
 
 
-def test_the_readme_is_a_guide_of_at_most_300_lines():
-    readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 300
-    for link in re.findall(r"\]\(((?:docs|bench)/[^)#]+)", readme):
+def test_shell_variables_are_substituted_not_skipped():
+    block = 'RUN="--name qwen7b\n     --max-steps 500"\npython train_email_search_agent.py train $RUN --preflight\n'
+    assert substitute("train $RUN --inbox \"$INBOX\" --token \"$(cat t)\"", assignments(block)) == \
+        'train --name qwen7b --max-steps 500 --inbox "x" --token "x"'
+    page_text = "```bash\n" + block + "```\n```json\n{\"a\": 1}\n```\nprose train_email_search_agent.py\n"
+    assert list(code_blocks(page_text)) == [block]
+
+
+# ---- bench scripts: each command shown parses with the script's own argparse ----------------------------------
+
+BENCH = ROOT / "bench"
+PARSE_ARGS = argparse.ArgumentParser.parse_args  # the real one, before any test patches it
+
+
+class Parsed(Exception):
+    """Raised right after a bench script's parser has read the shown arguments: nothing of the bench runs."""
+
+
+def bench_parse(script: str, argv: list[str], monkeypatch) -> argparse.Namespace:
+    """Run bench/SCRIPT as __main__ with ArgumentParser.parse_args reading `argv`, stopped once it has: every bench
+    builds its parser before it does anything (in main(), parse_args() or its __main__ block)."""
+    def parse_then_stop(parser, args=None, namespace=None):
+        raise Parsed(PARSE_ARGS(parser, argv, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(sys, "argv", [str(BENCH / script), *argv])
+    try:
+        runpy.run_path(str(BENCH / script), run_name="__main__")
+    except Parsed as parsed:
+        return parsed.args[0]
+    raise AssertionError(f"bench/{script} ran without parsing its arguments")
+
+
+def shown_bench_commands():
+    """(page, line, script, argv) of every `python bench/X.py ...` in the pages' code blocks."""
+    for page in PAGES:
+        for line, command in shown_lines(page):
+            if not re.search(r"python\S* +(?:\./)?bench/", command):
+                continue  # printed output and other commands (shlex would choke on an apostrophe in prose)
+            words = shlex.split(command)
+            for i, word in enumerate(words):
+                match = re.fullmatch(r"(?:\./)?bench/(\w+\.py)", word)
+                if match and i > 0 and words[i - 1].endswith("python"):
+                    yield page.name, line, match.group(1), words[i + 1:]
+
+
+BENCH_COMMANDS = list(shown_bench_commands())
+
+
+@pytest.mark.parametrize("page, line, script, argv", BENCH_COMMANDS, ids=[f"{p}:{s}" for p, _, s, _ in BENCH_COMMANDS])
+def test_every_bench_command_shown_parses(page, line, script, argv, monkeypatch):
+    assert (BENCH / script).is_file(), f"{page}: `{line}`: no bench/{script}"
+    try:
+        bench_parse(script, argv, monkeypatch)
+    except SystemExit as stop:  # --help exits 0; a flag or value the parser refuses exits 2
+        assert stop.code in (0, None), f"{page}: `{line}` does not parse"
+
+
+def test_the_bench_parser_check_catches_a_wrong_flag(monkeypatch):
+    assert bench_parse("bench_enron.py", ["--seeds", "0", "1"], monkeypatch).seeds == [0, 1]
+    with pytest.raises(SystemExit):
+        bench_parse("bench_enron.py", ["--seeds", "zero"], monkeypatch)
+    with pytest.raises(SystemExit):
+        bench_parse("gpu_smoke.py", ["--no-such-flag"], monkeypatch)
+
+
+def test_the_pages_show_bench_commands():
+    assert {script for _, _, script, _ in BENCH_COMMANDS} >= {"bench_enron.py", "bench_learning.py", "bench_vllm.py"}
+
+
+# ---- make: every target shown exists, every VAR=value is a variable the Makefile uses --------------------------
+
+def makefile_targets_and_variables() -> tuple[set[str], set[str]]:
+    """The Makefile's rule names (.PHONY's included) and the variables it sets or reads, with the environment
+    variables its recipes' scripts read (scripts/check_machine.py's FORCE)."""
+    text = (ROOT / "Makefile").read_text()
+    targets = set()
+    for line in text.splitlines():
+        rule = re.match(r"^([^\s#=:][^=:]*?)\s*:(?![=:])", line)
+        if rule:
+            names = rule.group(1).split()
+            targets |= {n for n in names if "$" not in n and n != ".PHONY"}
+            if names == [".PHONY"]:
+                targets |= set(line.split(":", 1)[1].split("#")[0].split())
+    variables = set(re.findall(r"^([A-Za-z_]\w*)\s*(?:\?=|:=|\+=|=)", text, re.M))
+    variables |= set(re.findall(r"(?<!\$)\$\(([A-Za-z_]\w*)\)", text))  # not $$(shell commands)
+    variables |= set(re.findall(r"environ\.get\(\"(\w+)\"", (ROOT / "scripts" / "check_machine.py").read_text()))
+    return targets, variables
+
+
+def shown_make_commands():
+    """(page, shown, argv after `make`) of every make command: in code blocks (each `&&`/`;` part starting with
+    `make`) and in inline code (`make demo SEED=1`)."""
+    for page in PAGES:
+        shown = [command for _, command in shown_lines(page)]
+        shown += [span for span in re.findall(r"`(make(?: [^`]*)?)`", page.read_text())]
+        for command in shown:
+            for part in re.split(r"&&|;|\|\|", command):
+                if re.match(r"make(?: |$)", part.strip()):
+                    yield page.name, part.strip(), shlex.split(part.strip())[1:]
+
+
+MAKE_COMMANDS = list(shown_make_commands())
+
+
+def test_every_make_command_shown_exists():
+    targets, variables = makefile_targets_and_variables()
+    assert {"demo", "test", "enron", "setup-gpu", "gpu-smoke"} <= targets
+    assert {"SEED", "ENRON", "PYTHON", "TORCH_INDEX", "FORCE"} <= variables
+    for page, shown, argv in MAKE_COMMANDS:
+        for word in argv:
+            if "=" in word:
+                name = word.split("=", 1)[0]
+                assert name in variables, f"{page}: `{shown}`: the Makefile uses no variable {name}"
+            else:
+                assert word in targets, f"{page}: `{shown}`: the Makefile has no target {word!r}"
+    assert any(page == "README.md" and argv[:1] == ["enron"] for page, _, argv in MAKE_COMMANDS)
+
+
+# ---- the README: a guide of at most 200 lines, no commit or run ids ----------------------------------------
+
+README = ROOT / "README.md"
+
+
+def test_the_readme_is_a_guide_of_at_most_200_lines():
+    readme = README.read_text()
+    assert len(readme.splitlines()) <= 200
+    for link in re.findall(r"\]\(((?:docs|bench)/[^)#]+|LICENSE)", readme):
         assert (ROOT / link).exists(), link
+
+
+def commit_ids(text: str) -> list[str]:
+    """Words that look like a git sha: 7-40 lowercase hex characters, digits and letters both."""
+    return [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"\d", w) and re.search(r"[a-f]", w)]
+
+
+def run_ids(text: str) -> list[str]:
+    """Named runs of the history ("run S4", "runs F-W", "run T08", "demo-seed1"): they belong in bench/RESULTS.md."""
+    named = re.findall(r"\bruns? [A-Z][A-Z0-9]*(?:[-–][A-Z0-9]+)?\b", text)
+    return named + re.findall(r"\bdemo-seed\d+\b", text)
+
+
+def test_the_readme_names_no_commit_and_no_run():
+    readme = README.read_text()
+    assert not commit_ids(readme), commit_ids(readme)
+    assert not run_ids(readme), run_ids(readme)
+
+
+def test_the_id_checks_catch_ids():
+    assert commit_ids("the code of 8fd4a36 and a8f78a9, not 0.5.18, cafebabe or 1234567") == ["8fd4a36", "a8f78a9"]
+    assert run_ids("run S4, runs F-W, run T08, make demo-seed1; a run on 2 cores") == [
+        "run S4", "runs F-W", "run T08", "demo-seed1"]
 
 
 def test_every_docs_page_links_back_and_exists():
@@ -75,10 +271,8 @@ PRESET_QUOTES = {  # page -> what it says of the preset, with the preset's figur
         "then {steps} small GRPO steps (step {final})",
         "`demo@{warm}`, the warm start",
         "`demo@{final}`, after {steps} GRPO steps",
-        "The demo preset's {steps_word} GRPO steps ({groups} groups of {rollouts} rollouts each, Dr. GRPO advantages, "
+        "the demo preset's {steps_word} GRPO steps ({groups} groups of {rollouts} rollouts each, Dr. GRPO advantages, "
         "a wrong answer costing {penalty}, sampled at {temperature})",
-        "after {steps} GRPO steps (`@{final}`)",
-        "in the CPU preset's {turns})",
     ],
     "docs/agent-and-rewards.md": [
         "The demo preset (`--demo`) charges {penalty} for a wrong answer",
@@ -100,6 +294,7 @@ PRESET_QUOTES = {  # page -> what it says of the preset, with the preset's figur
         "its warm start then its {steps_word} GRPO steps",
         "{steps_word} steps long, samples at {temperature}",
         "final `demo@{final}`",
+        "after {steps} GRPO steps (`@{final}`)",
     ],
     "docs/evaluation.md": ["(the demo run: {turns} turns, {tokens} tokens per reply, {body} body characters, "
                            "{results} results)"],
