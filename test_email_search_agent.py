@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
 from email_agent import cli, runs
-from email_agent.evaluation import players, records, report, scores, serving
+from email_agent.evaluation import records, report, scores
+from email_agent.serving import players, servers
 from email_agent.agent import rewards
 from email_agent.runs import ART_DIR, PROJECT
 from email_agent.backends import CPU_BASE_MODEL
@@ -67,7 +68,7 @@ async def evaluate(args) -> int:
                               shape={name: getattr(args, name) for name in SHAPE})
     results: list[dict] = []
     async with contextlib.AsyncExitStack() as stack:
-        contestants = await open_contestants(args.model, serving.Servers(options, stack))
+        contestants = await open_contestants(args.model, servers.Servers(options, stack))
         histories = {c.label: scores.load_history(c.history, c.step) for c in contestants
                      if c.history and c.history.exists()}
         for c in contestants:
@@ -107,7 +108,7 @@ def open_questions(args) -> tuple[EmailDB, list[Question]]:
     return db, questions
 
 
-async def open_contestants(specs: list[str], servers: serving.Servers) -> list[players.Contestant]:
+async def open_contestants(specs: list[str], servers: servers.Servers) -> list[players.Contestant]:
     """Every model served and probed before the first rollout: a dead endpoint fails in seconds, not after hours of
     the other models' rollouts."""
     art_dir = servers.options.art_dir

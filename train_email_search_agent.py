@@ -31,7 +31,7 @@ import email_agent  # noqa: F401  (sets offline-friendly environment defaults be
 from email_agent.apps import ask, export, serve
 from email_agent.data import build, generate
 from email_agent import cli, runs
-from email_agent.evaluation import players
+from email_agent.serving import players
 from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir
 from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB, check_day, visible_until

@@ -40,8 +40,8 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from email_agent.apps import ask
-from email_agent.evaluation import players
-from email_agent.evaluation.serving import Servers
+from email_agent.serving import players
+from email_agent.serving.servers import Servers
 from email_agent import runs
 from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB

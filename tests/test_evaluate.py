@@ -9,7 +9,8 @@ import time
 import pytest
 
 from conftest import ROOT, needs_enron
-from email_agent.evaluation import players, report, serving
+from email_agent.evaluation import report
+from email_agent.serving import players, servers
 from email_agent import runs
 from email_agent.data import questions as qmod
 from email_agent.errors import UserError
@@ -511,7 +512,7 @@ def test_model_specs_are_checked_before_any_model_is_served(demo_db_path, tmp_pa
     async def no_serving(*args, **kwargs):
         raise AssertionError("a model was served")
 
-    monkeypatch.setattr(serving.Servers, "on_cpu", no_serving)
+    monkeypatch.setattr(servers.Servers, "on_cpu", no_serving)
     argv = [arg for spec in specs for arg in ("--model", spec)]
     assert run_cli("--db", demo_db_path, *argv, "--art-dir", tmp_path / "art", "--output", tmp_path / "out") == 1
     err = capsys.readouterr().err

@@ -1,7 +1,9 @@
 """The agent's tools: what the model may call, their OpenAI schemas, and argument checking.
 
 Owns: `Inbox` (one address's mail as of one day: the environment binds both, the model chooses neither),
-the `search_inbox` / `read_email` / `return_final_answer` schemas, and all dispatch of tool calls:
+the tools `search_inbox` / `read_email` / `return_final_answer` (each a `Tool`: its schema, an example and what
+running it shows the model, side by side at the end of this module; adding one: docs/development.md), and all
+dispatch of tool calls:
 `call_tools` runs a turn's calls (the first; any more are refused), `call_tool` one call, turning anything a
 model can emit (unknown name, non-JSON arguments, wrong or extra keys, wrong types) into either a result or a
 one-sentence error the model can recover from. It never raises for model input. It knows nothing about
@@ -12,46 +14,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, day_after, day_start
 
 DEFAULT_MAX_BODY_CHARS = 4000  # long bodies (up to 380k chars in Enron) would overflow the context
 DEFAULT_SEARCH_RESULTS = 10  # results per search when the model does not ask for a number
-
-# Descriptions are terse on purpose: the schemas are in every prompt, and on a CPU every token costs.
-TOOLS = [
-    {"type": "function", "function": {
-        "name": "search_inbox",
-        "description": "Search the user's inbox for emails containing ALL the keywords, best match first. "
-                       "Returns message_id, subject, from_address, date and a snippet of each.",
-        "parameters": {"type": "object", "properties": {
-            "keywords": {"type": "array", "items": {"type": "string"}, "description": "e.g. [\"budget\", \"review\"]"},
-            "from_address": {"type": "string", "description": "only emails from this address"},
-            "to_address": {"type": "string", "description": "only emails to/cc/bcc this address"},
-            "sent_after": {"type": "string", "description": "YYYY-MM-DD, inclusive"},
-            "sent_before": {"type": "string", "description": "YYYY-MM-DD, exclusive"},
-            "max_results": {"type": "integer", "description": f"1-{MAX_SEARCH_RESULTS}"},
-        }, "required": ["keywords"]},
-    }},
-    {"type": "function", "function": {
-        "name": "read_email",
-        "description": "Read one email in full by the message_id a search returned.",
-        "parameters": {"type": "object", "properties": {
-            "message_id": {"type": "string"},
-        }, "required": ["message_id"]},
-    }},
-    {"type": "function", "function": {
-        "name": "return_final_answer",
-        "description": "Give the final, short answer and the message_ids it comes from. "
-                       "If the inbox does not say, answer \"I don't know\" with no sources.",
-        "parameters": {"type": "object", "properties": {
-            "answer": {"type": "string"},
-            "sources": {"type": "array", "items": {"type": "string"}},
-        }, "required": ["answer", "sources"]},
-    }},
-]
-_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-
 
 @dataclass
 class Inbox:
@@ -111,7 +79,7 @@ def parse_arguments(name: str, raw: str | dict | None) -> dict:
                              f"{_example(name)}") from None
     if not isinstance(args, dict):
         raise ValueError(f"the arguments of {name} must be a JSON object like {_example(name)}")
-    spec = _PARAMS[name]
+    spec = AGENT_TOOLS[name].parameters
     unknown = sorted(set(args) - set(spec["properties"]))
     if unknown:
         raise ValueError(f"{name} has no argument {', '.join(map(repr, unknown))}; its arguments are "
@@ -141,9 +109,7 @@ def parse_arguments(name: str, raw: str | dict | None) -> dict:
 
 
 def _example(name: str) -> str:
-    return {"search_inbox": '{"keywords": ["budget", "meeting"]}',
-            "read_email": '{"message_id": "<id from search_inbox>"}',
-            "return_final_answer": '{"answer": "...", "sources": ["<message_id>"]}'}[name]
+    return AGENT_TOOLS[name].example
 
 
 # What the model is told when it replies without a tool call, or makes more than one in a turn.
@@ -161,23 +127,77 @@ def call_tools(inbox: Inbox, calls: list) -> list[ToolOutcome]:
 def call_tool(inbox: Inbox, name: str, raw_arguments: str | dict | None) -> ToolOutcome:
     """Run one tool as the model asked. return_final_answer only checks its arguments: the answer is in the
     outcome's `arguments`, and the episode ends."""
-    if name not in _PARAMS:
-        known = "search_inbox, read_email, return_final_answer"
-        return ToolOutcome(name, f"Error: there is no tool {name!r}; the tools are {known}.", "bad_tool_name")
+    tool = AGENT_TOOLS.get(name)
+    if tool is None:
+        return ToolOutcome(name, f"Error: there is no tool {name!r}; the tools are {', '.join(AGENT_TOOLS)}.",
+                           "bad_tool_name")
     try:
         args = parse_arguments(name, raw_arguments)
     except ValueError as exc:
         return ToolOutcome(name, f"Error: {exc}.", "bad_tool_args")
-    if name == "return_final_answer":
-        return ToolOutcome(name, "Answer recorded.", None, args)
-    if name == "search_inbox":
-        results = inbox.search_inbox(**args)
-        if not results:
-            content = "No emails matched all the keywords. Try fewer, shorter or different keywords."
-        else:
-            content = json.dumps(results, ensure_ascii=False)
-        return ToolOutcome(name, content, None, args, results)
+    content, result = tool.run(inbox, args)
+    return ToolOutcome(name, content, None, args, result)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tools: each one's schema (the model reads it in every prompt), an example of its arguments (told with an
+# argument error) and what running it shows the model, with what the rollout records
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str  # terse on purpose: the schemas are in every prompt, and on a CPU every token costs
+    parameters: dict  # JSON schema of its arguments (parse_arguments checks calls against it)
+    example: str  # its arguments as the model should send them
+    run: Callable[[Inbox, dict], tuple[str, object]]  # (inbox, checked arguments) -> (shown to the model, recorded)
+
+    def schema(self) -> dict:
+        """The OpenAI tool schema the model is given."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+def _search(inbox: Inbox, args: dict) -> tuple[str, list[dict]]:
+    results = inbox.search_inbox(**args)
+    if not results:
+        return "No emails matched all the keywords. Try fewer, shorter or different keywords.", results
+    return json.dumps(results, ensure_ascii=False), results
+
+
+def _read(inbox: Inbox, args: dict) -> tuple[str, dict | None]:
     email = inbox.read_email(args["message_id"])
-    content = json.dumps(email, ensure_ascii=False) if email else \
-        f"Error: no email with message_id {args['message_id']!r} in this inbox. Use an id from search_inbox."
-    return ToolOutcome(name, content, None, args, email)
+    if email is None:
+        return (f"Error: no email with message_id {args['message_id']!r} in this inbox. Use an id from "
+                f"search_inbox."), None
+    return json.dumps(email, ensure_ascii=False), email
+
+
+def _answer(inbox: Inbox, args: dict) -> tuple[str, None]:
+    return "Answer recorded.", None  # the rollout ends the episode with `args` as the answer
+
+
+AGENT_TOOLS = {tool.name: tool for tool in (
+    Tool("search_inbox",
+         "Search the user's inbox for emails containing ALL the keywords, best match first. "
+         "Returns message_id, subject, from_address, date and a snippet of each.",
+         {"type": "object", "properties": {
+             "keywords": {"type": "array", "items": {"type": "string"}, "description": "e.g. [\"budget\", \"review\"]"},
+             "from_address": {"type": "string", "description": "only emails from this address"},
+             "to_address": {"type": "string", "description": "only emails to/cc/bcc this address"},
+             "sent_after": {"type": "string", "description": "YYYY-MM-DD, inclusive"},
+             "sent_before": {"type": "string", "description": "YYYY-MM-DD, exclusive"},
+             "max_results": {"type": "integer", "description": f"1-{MAX_SEARCH_RESULTS}"},
+         }, "required": ["keywords"]},
+         '{"keywords": ["budget", "meeting"]}', _search),
+    Tool("read_email", "Read one email in full by the message_id a search returned.",
+         {"type": "object", "properties": {"message_id": {"type": "string"}}, "required": ["message_id"]},
+         '{"message_id": "<id from search_inbox>"}', _read),
+    Tool("return_final_answer",
+         "Give the final, short answer and the message_ids it comes from. "
+         "If the inbox does not say, answer \"I don't know\" with no sources.",
+         {"type": "object", "properties": {"answer": {"type": "string"}, "sources": {"type": "array", "items": {
+             "type": "string"}}}, "required": ["answer", "sources"]},
+         '{"answer": "...", "sources": ["<message_id>"]}', _answer),
+)}
+TOOLS = [tool.schema() for tool in AGENT_TOOLS.values()]  # what every prompt offers, in this order

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Callable
 
-from email_agent.evaluation import players
-from email_agent.evaluation.serving import Servers
+from email_agent.serving import players
+from email_agent.serving.servers import Servers
 from email_agent.agent.episode import Episode
 from email_agent import runs
 from email_agent.runs import ART_DIR

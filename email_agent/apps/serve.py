@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from email_agent.apps import ask
-from email_agent.evaluation import players
-from email_agent.evaluation.serving import Servers
+from email_agent.serving import players
+from email_agent.serving.servers import Servers
 from email_agent.agent import tools
 from email_agent.runs import ART_DIR
 from email_agent.errors import UserError

@@ -5,8 +5,9 @@
     --preflight                  the next step up to its update: gathered, judged, its verdict told; then it stops
     warm start                   SFT on the expert's or a teacher's episodes, when one is due (warm_start)
     each GRPO step:
-        gather                   groups of rollouts of the step's questions
-        judge                    a judge that is down is waited for (judge_outages)
+        gather                   groups of rollouts of the step's questions (graded as each ends)
+        regrade                  answers a judge failed on while it was down, graded again once it answers
+                                 (judge_outages; nothing to do with offline grading or a judge that answers)
         first step only          can GRPO learn from these groups? (step_health)
         train                    the update, on the tokens as served (training_data.for_grpo, backend.train)
         log                      model.log, the step line, warnings
@@ -84,7 +85,7 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
         if batch.step % cfg.eval_every == 0 and plan.val_questions and not (batch.step == 0 and sft_steps):
             print(await validate(plan, model, policy, step))
         started = time.perf_counter()
-        groups, health = await gather_and_judge(plan, policy, batch.items, step)
+        groups, health = await gather_and_measure(plan, policy, batch.items, step)
         if batch.step == 0:  # a fresh run says at once whether it can learn
             verdict = say_whether_it_can_learn(plan, health, warm_start_pending=False)
             if verdict.cannot_learn and not cfg.train_anyway:  # not hours of steps that learn nothing
@@ -132,15 +133,15 @@ def opening_summary(plan: Plan) -> list[str]:
                          warm_start_done=bool(plan.state.get("sft_done")))
 
 
-# ---- a step up to its update: gather, judge, can it learn ---------------------------------------
+# ---- a step up to its update: gather, regrade, can it learn ---------------------------------------
 
-async def gather_and_judge(plan: Plan, policy: Policy, questions: list[Question], step: int
-                           ) -> tuple[list[art.TrajectoryGroup], step_health.Health]:
-    """A step up to its update (all of it that --preflight takes): its groups gathered and judged, and what they
+async def gather_and_measure(plan: Plan, policy: Policy, questions: list[Question], step: int
+                             ) -> tuple[list[art.TrajectoryGroup], step_health.Health]:
+    """A step up to its update (all of it that --preflight takes): its groups gathered and graded, and what they
     offer GRPO."""
     started = time.perf_counter()
     groups = await gather(plan, policy, questions, step)
-    groups = await judge(plan, groups, step)
+    groups = await regrade_while_the_judge_is_down(plan, groups, step)
     return groups, step_health.measure(groups, time.perf_counter() - started, plan.config.min_reward_std)
 
 
@@ -153,7 +154,8 @@ async def gather(plan: Plan, policy: Policy, questions: list[Question], step: in
         after_each=(lambda group: ruler(plan, group)) if plan.episode.reward == "ruler" else None)
 
 
-async def judge(plan: Plan, groups: list[art.TrajectoryGroup], step: int) -> list[art.TrajectoryGroup]:
+async def regrade_while_the_judge_is_down(plan: Plan, groups: list[art.TrajectoryGroup], step: int
+                                          ) -> list[art.TrajectoryGroup]:
     """The groups the judge graded: one that is down is waited for while the rollouts are kept, one that stays
     down stops the run at this step (judge_outages)."""
     by_id = {q.id: q for q in plan.rl_questions}
@@ -190,7 +192,7 @@ async def preflight(plan: Plan, policy: Policy, batch, sft_steps: int, warm_star
     UserError if GRPO cannot learn from it."""
     if batch is None:
         raise UserError(f"--preflight: run {plan.config.name!r} has no steps left to check (its epochs are done).")
-    _, health = await gather_and_judge(plan, policy, batch.items, batch.step + sft_steps)
+    _, health = await gather_and_measure(plan, policy, batch.items, batch.step + sft_steps)
     verdict = say_whether_it_can_learn(plan, health, warm_start_pending)
     if not verdict.ok:
         raise UserError(verdict.headline)

@@ -1,7 +1,7 @@
 """Evaluation: who plays, served the way it was trained, and checked before it plays.
 
 Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
-`Contestant` with a ready policy (a run on its own backend, served by `serving.Servers`: CPU on one vLLM server
+`Contestant` with a ready policy (a run on its own backend, served by `servers.Servers`: CPU on one vLLM server
 per base model, ART's LocalBackend / vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted
 model behind an OpenAI-compatible endpoint); the flags and --model values checked before anything is served;
 `Schedule`, who plays when; `probe`, one cheap request that fails fast on an unreachable server, a refused key or
@@ -22,7 +22,7 @@ from email_agent.agent.episode import SHAPE, Episode
 from email_agent import backends
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import UserError
-from email_agent.evaluation.serving import Servers
+from email_agent.serving.servers import Servers
 from email_agent.redact import redact
 from email_agent.runs import ART_DIR, find_run, is_step
 
