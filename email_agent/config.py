@@ -87,18 +87,19 @@ class TrainConfig:
 
 
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores. Each value
-# was measured over seeds; the runs named are in bench/RESULTS.md, the story in docs/agent-and-rewards.md.
+# was measured over seeds (bench/bench_learning.py; every run in bench/RESULTS.md, the story in
+# docs/agent-and-rewards.md).
 DEMO_PRESET = dict(
     db=DEMO_DB, name="demo",
     # the warm start does the learning: one epoch over every demo-expert episode at a constant 1e-3
     sft_from="demo-expert", sft_limit=0, sft_epochs=1, sft_batch_size=4, sft_learning_rate=1e-3,
     sft_schedule="constant",
-    # three GRPO steps of 6 groups x 4 rollouts, all sent at once (run S4: steps 5-7 drifted to running out of turns)
+    # three GRPO steps of 6 groups x 4 rollouts, all sent at once (later steps drifted to running out of turns)
     groups_per_step=6, rollouts_per_group=4, num_epochs=1, max_steps=3, learning_rate=1e-4, concurrency=24,
-    # Dr. GRPO advantages (run K: std-scaled ones traded right answers for abstentions), negatives halved (run J)
+    # Dr. GRPO advantages (std-scaled ones traded right answers for abstentions), negative advantages halved
     advantage_balance=0.5, scale_rewards=False,
-    hallucination_penalty=1.25,  # run F125: score higher on 49 questions, lower on 22 (1.0: H1; 1.5: P15)
-    temperature=0.8,  # run T08: score higher on 38, lower on 19, right 119 -> 126 (at 1.0, run D125: right fell)
+    hallucination_penalty=1.25,  # scored higher than 1.0 and 1.5 did
+    temperature=0.8,  # scored higher, and more right, than 1.0
     # the episode shape a 135M model on two cores can afford
     max_turns=4, max_tokens=64, max_body_chars=600, search_results=3,
     eval_every=3, val_size=8)
