@@ -57,8 +57,8 @@ async def settle(groups: list[TrajectoryGroup], rejudge: Callable[[TrajectoryGro
         if permanent:
             raise JudgeDown(f"the judge cannot grade step {step} ({permanent}), and waiting will not change that: "
                             f"fix the judge's model, key or URL (--judge-model, --ruler-model, --judge-base-url, "
-                            f"JUDGE_API_KEY), then run the same command again to resume at step {step}; nothing of "
-                            f"this step was trained")
+                            f"JUDGE_API_KEY or the provider's own key), then run the same command again to resume "
+                            f"at step {step}; nothing of this step was trained")
         if clock() - started + wait > patience:
             break
         notify(f"judge: {len(failed)} of {len(groups)} groups of step {step} unjudged ({error}); trying again in "

@@ -243,7 +243,8 @@ def diagnose(h: Health, *, reward_mode: str, sft_from: str = "", warm_start_pend
     if h.judge_error_share >= MAX_JUDGE_ERROR_SHARE:
         what = "RULER" if h.ruler_errors else "the judge"
         failures.append(f"cannot learn: {what} failed on {h.judge_error_share:.0%} of its calls ({h.first_error}); "
-                        f"check {judge_flags}, --judge-base-url and JUDGE_API_KEY.")
+                        f"check {judge_flags}, --judge-base-url and the key (JUDGE_API_KEY, or the provider's own "
+                        f"variable such as OPENAI_API_KEY).")
     if h.valid_call_rate == 0.0:
         failures.append(f"cannot learn: no valid tool calls; {warm}.")
     elif h.trainable_share < MIN_TRAINABLE_SHARE and h.ruler_errors < h.groups:
