@@ -15,9 +15,10 @@ episode shape, exact McNemar tests (right answers) and sign tests (score: right 
 agent against the base and the warm start, pooled over the seeds when there are several, and each phase's time.
 
 The recipe is chosen by the CPU, and said at the start: Qwen2.5-0.5B (make setup-qwen) where the CPU multiplies
-bfloat16 natively (AMX or AVX512-BF16); elsewhere Qwen's every phase runs 5-10x slower (bench/RESULTS.md), so the
-default there is SmolLM2-135M in float32. --base-model overrides it. A seed whose report exists is not run
-again; one whose run stopped resumes it (delete seed-N/ under --work to start it over). Report every run.
+bfloat16 natively (AMX or AVX512-BF16); elsewhere Qwen's warm start runs about 9x slower and its rollouts 15-20x
+(bench/RESULTS.md), so the default there is SmolLM2-135M in float32. --base-model overrides it. A seed whose
+report exists is not run again; one whose run stopped resumes it (delete seed-N/ under --work to start it over).
+Report every run.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def choose_base_model() -> str:
     cpu = platform.processor() or platform.machine()
     base = QWEN if native else SMOLLM2
     print(f"CPU {cpu}, {os.cpu_count()} cores: bfloat16 {'native' if native else 'not native (float32)'} -> "
-          f"{base}" + ("" if native else f": {QWEN}'s warm start and rollouts run 5-10x slower on such a CPU "
+          f"{base}" + ("" if native else f": {QWEN}'s warm start runs ~9x and its rollouts 15-20x slower on such a CPU "
                                           f"(--base-model {QWEN} to train it anyway)"), flush=True)
     return base
 
