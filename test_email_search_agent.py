@@ -33,7 +33,7 @@ from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.episode import MEANINGS, SHAPE, Episode
-from email_agent.data.questions import Question, id_sort_key, select_questions
+from email_agent.data.questions import Question, id_sort_key, question_counts, select_questions
 
 DEFAULT_DB, DEMO_DB = "data/enron_emails.db", "data/demo.db"
 
@@ -103,7 +103,11 @@ def open_questions(args) -> tuple[EmailDB, list[Question]]:
         splits = sorted({row[0] for row in db.conn.execute("SELECT DISTINCT split FROM questions")})
         if splits and args.split not in splits:
             raise UserError(f"--split {args.split!r}: {args.db} has the splits {', '.join(splits)}")
-        raise UserError(f"No answerable {args.split!r} questions in {args.db}; write some with "
+        total = question_counts(db).get(args.split, {}).get("total", 0)
+        cited = (f": its {total:,} cite emails that are not in it or not in the inbox they ask about. Build it from "
+                 f"the mail they were written about, or write questions for this mail" if total else
+                 "; write some")
+        raise UserError(f"No answerable {args.split!r} questions in {args.db}{cited} with "
                         f"`python train_email_search_agent.py generate-questions --db {args.db} --model MODEL`.")
     return db, questions
 

@@ -170,6 +170,14 @@ def training_questions(db: EmailDB, cfg) -> tuple[list[Question], list[Question]
     val, train = questions[:cfg.val_size], questions[cfg.val_size:]
     train = train[:cfg.train_limit] if cfg.train_limit else train
     if not train:
+        counts = question_counts(db).get("train", {})
+        total = counts.get("total", 0)
+        if total and not counts.get("answerable"):  # questions there, but about mail this database does not hold
+            raise UserError(f"None of the {total:,} train questions in {cfg.db} can be answered from it: each cites "
+                            f"an email that is not in the database or not in the inbox it asks about (build-db "
+                            f"counted them). Build it from the mail the questions were written about, or write "
+                            f"questions for this mail with `python train_email_search_agent.py generate-questions "
+                            f"--db {cfg.db} --model MODEL`.")
         held_out = f"after holding out {cfg.val_size} for validation: a smaller --val-size, or " if cfg.val_size else ""
         raise UserError(f"No answerable training questions in {cfg.db} ({held_out}write some with "
                         f"`python train_email_search_agent.py generate-questions --db {cfg.db} --model MODEL`).")

