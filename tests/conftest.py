@@ -4,6 +4,7 @@ Enron sample (29,997 emails). Databases are built once per test session into a t
 import ctypes
 import ctypes.util
 import gc
+import json
 import sys
 from pathlib import Path
 
@@ -17,6 +18,11 @@ sys.path.insert(0, str(ROOT))
 import email_agent  # noqa: F401  (offline environment defaults)
 from email_agent.data import build, email_db, demo, questions, sources
 
+# SmolLM2-135M's sizes (its config.json): what the GPU path's memory estimate reads of qwen_style_model_dir
+SMOLLM2_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                  "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                  "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
+                  "tie_word_embeddings": True}
 ENRON = ROOT.parent / "shared" / "data" / "enron"
 ENRON_EMAILS = ENRON / "emails.jsonl.gz"
 ENRON_QUESTIONS = ENRON / "questions.jsonl.gz"
@@ -149,6 +155,9 @@ def qwen_style_model_dir(smollm2_tokenizer, tmp_path_factory) -> Path:
     tokenizer.chat_template = QWEN_STYLE_TEMPLATE.read_text()
     folder = tmp_path_factory.mktemp("qwen-style")
     tokenizer.save_pretrained(folder)
+    # what makes a folder a model to `--base-model`'s check; the runs that use this folder never load its weights
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    (folder / "pytorch_model.bin").write_bytes(b"")
     return folder
 
 

@@ -361,3 +361,36 @@ def test_the_evaluation_help_names_the_files_it_writes():
     from email_agent.evaluation.report import OUTPUT_FILES
     named = set(re.findall(r"\b[\w-]+\.(?:jsonl|json|html|md)\b", evaluate_cli.__doc__))
     assert named and named <= set(OUTPUT_FILES), named - set(OUTPUT_FILES)
+
+
+def gpu_sequence() -> list[list[str]]:
+    """The README's GPU sequence as argv lists (`.venv-gpu/bin/python SCRIPT ...`), its variables substituted."""
+    readme = ROOT / "README.md"
+    block = next(b for b in code_blocks(readme.read_text()) if ".venv-gpu/bin/python" in b)
+    variables = assignments(block)
+    commands = []
+    for line in ASSIGNMENT.sub("", block).replace("\\\n", " ").splitlines():
+        command = substitute(line.split(" #", 1)[0].strip(), variables)
+        if command.startswith(".venv-gpu/bin/python "):
+            commands.append(shlex.split(command)[1:])
+    return commands
+
+
+@pytest.mark.slow
+def test_the_gpu_sequence_on_a_machine_without_gpu_key_or_database_is_one_sentence_each(tmp_path):
+    """Each command of the README's GPU sequence, typed here (no GPU, no judge key, no database, no run, no
+    network to Hugging Face): it stops with one sentence, no traceback, and writes nothing."""
+    import os
+    import subprocess
+
+    commands = gpu_sequence()
+    assert [c[1] for c in commands if c[0] == "train_email_search_agent.py"][:3] == ["build-db", "inboxes", "train"]
+    environ = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    environ.update(HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    for argv in commands:
+        done = subprocess.run([sys.executable, str(ROOT / argv[0]), *argv[1:]], cwd=tmp_path, env=environ,
+                              capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        said = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+        assert done.returncode != 0 and "Traceback" not in done.stderr and len(said) == 1, (argv, done.stderr[-2000:])
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], [".art"], ["data"], [".art", "data"])
+    assert not list(tmp_path.glob("data/*.db")) and not list(tmp_path.glob(".art/*/models/*"))

@@ -62,15 +62,16 @@ class Contestant:
     def tool_choice(self) -> str:
         return self.policy.tool_choice or "auto"
 
-    @property
-    def served_here(self) -> bool:
-        """Served by this project's vLLM on this machine (base and CPU runs): such models take turns (`Schedule`)."""
-        return self.backend in backends.BACKENDS and backends.get(self.backend).served_here
-
     def episode(self, scoring: Episode) -> Episode:
         """The episode this contestant plays: its own shape, scored as `scoring` says (the evaluation's reward
         mode, judge and grounding check)."""
         return self.shape.scored(scoring)
+
+
+def served_here(backend: str) -> bool:
+    """A contestant of `backend` (a backend's name, or "api" for a prompted model) is served by this project's vLLM
+    on this machine (base and CPU runs): such models take turns (`Schedule`)."""
+    return backend in backends.BACKENDS and backends.get(backend).served_here
 
 
 def check_flags(args) -> None:
@@ -148,7 +149,7 @@ class Schedule:
 
     def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int,
                  cpu_at_once: int | None = None) -> None:
-        cpu = [c.label for c in contestants if c.served_here]
+        cpu = [c.label for c in contestants if served_here(c.backend)]
         self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in contestants}
         self._go = {label: asyncio.Event() for label in cpu}
         at_once = max(1, cpu_at_once or os.cpu_count() or 1)
@@ -210,7 +211,11 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
 
     shape = (default_shape or Episode()).override(**options.shape)
     if name == "base":  # check_specs refused base@N
-        client, label = await servers.on_cpu(options.base_model, None, None)
+        try:
+            client, label = await servers.on_cpu(options.base_model, None, None)
+        except UserError as exc:  # e.g. a GPU venv, which has no CPU vLLM: say what `base` is and what to type
+            raise UserError(f"{str(exc).rstrip('.')} (--model base is the CPU path's untrained {options.base_model}; "
+                            f"a GPU run's untrained model is its first checkpoint, --model RUN@0).") from None
         return Contestant(label, Policy(client, label, **common), shape, backends.CPU.name)
 
     provider, _, model = name.partition("/")
