@@ -120,30 +120,7 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
     context = copy.deepcopy(peft).merge_and_unload().to(inference_dtype()).eval()
 
     def equal_work() -> None:
-        # The longest common prefix of all rows that ends before the first scored position.
-        first = rows[0][0][0]
-        shared = min(int(scored.nonzero()[0]) for _, scored in rows)
-        for tokens, _ in rows[1:]:
-            differ = (tokens[0, :shared] != first[:shared]).nonzero()
-            shared = int(differ[0]) if len(differ) else shared
-        with torch.no_grad():
-            prefix = context(input_ids=first[None, :shared], use_cache=True).past_key_values
-        for tokens, scored in rows:
-            positions = scored.nonzero()[:, 0]
-            # Each scored run (assistant turn) sees the context before it begins and its own earlier positions.
-            run_of = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long), (positions.diff() > 1).long()]), 0)
-            begins = positions[torch.searchsorted(run_of, run_of, right=False)]
-            past = int(begins.max())
-            cache = DynamicCache([(layer.keys, layer.values) for layer in prefix.layers])
-            with torch.no_grad():
-                context(input_ids=tokens[:, shared:past], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = DynamicCache([(layer.keys.float(), layer.values.float()) for layer in cache.layers])
-            mask = torch.cat([torch.arange(past)[None, :] < begins[:, None],
-                              (run_of[:, None] == run_of[None, :]) & (positions[None, :] <= positions[:, None])], 1)
-            hidden = peft.get_base_model().model(input_ids=tokens[:, positions], attention_mask=mask[None, None],
-                                                 position_ids=positions[None], past_key_values=cache).last_hidden_state
-            logprobs = torch.log_softmax(peft.get_base_model().lm_head(hidden[0]).float(), -1)
-            (-logprobs.gather(-1, tokens[0, positions + 1, None]).sum()).backward()
+        equal_work_pass(context, peft, rows)
 
     # warm-up: the first pass over new shapes builds oneDNN's kernels, which the trainer's step finds built
     equal_work()
@@ -157,6 +134,35 @@ def bare_loops(backend, groups) -> dict[str, tuple[int, float]]:
     peft.eval()
     torch.set_num_threads(1)
     return timings
+
+
+def equal_work_pass(context, peft, rows) -> None:
+    """The trainer's computation in plain HF calls: the rows' shared prefix once and each row's context through
+    the merged copy without gradient, then each row's assistant positions in one float32 pass, logits only there."""
+    # The longest common prefix of all rows that ends before the first scored position.
+    first = rows[0][0][0]
+    shared = min(int(scored.nonzero()[0]) for _, scored in rows)
+    for tokens, _ in rows[1:]:
+        differ = (tokens[0, :shared] != first[:shared]).nonzero()
+        shared = int(differ[0]) if len(differ) else shared
+    with torch.no_grad():
+        prefix = context(input_ids=first[None, :shared], use_cache=True).past_key_values
+    for tokens, scored in rows:
+        positions = scored.nonzero()[:, 0]
+        # Each scored run (assistant turn) sees the context before it begins and its own earlier positions.
+        run_of = torch.cumsum(torch.cat([torch.ones(1, dtype=torch.long), (positions.diff() > 1).long()]), 0)
+        begins = positions[torch.searchsorted(run_of, run_of, right=False)]
+        past = int(begins.max())
+        cache = DynamicCache([(layer.keys, layer.values) for layer in prefix.layers])
+        with torch.no_grad():
+            context(input_ids=tokens[:, shared:past], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = DynamicCache([(layer.keys.float(), layer.values.float()) for layer in cache.layers])
+        mask = torch.cat([torch.arange(past)[None, :] < begins[:, None],
+                          (run_of[:, None] == run_of[None, :]) & (positions[None, :] <= positions[:, None])], 1)
+        hidden = peft.get_base_model().model(input_ids=tokens[:, positions], attention_mask=mask[None, None],
+                                             position_ids=positions[None], past_key_values=cache).last_hidden_state
+        logprobs = torch.log_softmax(peft.get_base_model().lm_head(hidden[0]).float(), -1)
+        (-logprobs.gather(-1, tokens[0, positions + 1, None]).sum()).backward()
 
 
 async def server_throughput(model, client, concurrency: int, requests: int, max_tokens: int) -> float:

@@ -59,6 +59,20 @@ DEMO_QUESTIONS = 50  # make demo's --limit
 
 
 def main() -> None:
+    args = parse_args()
+    work = args.work.resolve()
+    db = work / "demo.db"
+    started = time.perf_counter()
+    build = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")
+    pairs = {}
+    for seed in args.seeds:
+        pairs[seed] = bench_seed(args, seed, db, work / f"seed-{seed}")
+    if len(pairs) > 1:
+        print_pooled(pairs)
+    print(f"\nbuild {build / 60:.1f} min; all {time.perf_counter() - started:.0f} s in this invocation")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.format(**DEMO_PRESET),  # the preset's own figures
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "learning", help="output folder")
@@ -114,16 +128,7 @@ def main() -> None:
     args.test_questions = args.test_questions or (100 if args.demo_preset else 144)
     if args.quick:
         args.test_questions, args.sft_limit, args.sft_epochs, args.rl_steps = 8, 8, 1, 1
-    work = args.work.resolve()
-    db = work / "demo.db"
-    started = time.perf_counter()
-    build = run("build", "train_email_search_agent.py", "build-db", "--demo", "--db", str(db), "--quiet")
-    pairs = {}
-    for seed in args.seeds:
-        pairs[seed] = bench_seed(args, seed, db, work / f"seed-{seed}")
-    if len(pairs) > 1:
-        print_pooled(pairs)
-    print(f"\nbuild {build / 60:.1f} min; all {time.perf_counter() - started:.0f} s in this invocation")
+    return args
 
 
 def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str], list[list[str]]]:
