@@ -677,6 +677,7 @@ def test_base_beside_a_gpu_run_points_to_its_first_checkpoint(demo_db_path, tmp_
 def test_base_without_the_cpu_vllm_says_what_base_is(demo_db_path, tmp_path, capsys, monkeypatch):
     """A GPU venv has no .venv-vllm: `--model base` there says why it cannot be served and what to type instead."""
     monkeypatch.setenv("EMAIL_AGENT_VLLM_PYTHON", str(tmp_path / "no-vllm" / "python"))
+    monkeypatch.delenv("EMAIL_AGENT_VLLM_URL", raising=False)  # the session's shared server would serve it
     rc = run_cli("--db", demo_db_path, "--model", "base", "--limit", 2, "--output", tmp_path / "out",
                  "--art-dir", tmp_path / "art")
     err = capsys.readouterr().err
