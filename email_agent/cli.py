@@ -79,16 +79,25 @@ class _PlainProgress:
         return getattr(self._stream, name)
 
 
+_bars_hidden_by_quiet = False
+
+
 def console(quiet: bool = False, verbose: bool = False) -> None:
     """What every subcommand prints on stderr. --quiet: warnings and errors only, no progress bars; --verbose:
     debug records too. When stderr is not a terminal (a log file, CI) progress bars print a plain line every
     PLAIN_PROGRESS_S seconds instead of redrawing themselves."""
+    global _bars_hidden_by_quiet
     log_to_stderr(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
     # numpy 2 on ART 0.5.18's packer: a notice for its authors, not for users
     warnings.filterwarnings("ignore", message="__array_wrap__ must accept context", category=DeprecationWarning)
     if quiet:
+        _bars_hidden_by_quiet = _bars_hidden_by_quiet or "TQDM_DISABLE" not in os.environ
         os.environ["TQDM_DISABLE"] = "1"  # tqdm reads its defaults from TQDM_* variables
-    elif not sys.stderr.isatty() and not isinstance(sys.stderr, _PlainProgress):
+        return
+    if _bars_hidden_by_quiet:  # a command run earlier in this process (bench, a test) with --quiet
+        os.environ.pop("TQDM_DISABLE", None)
+        _bars_hidden_by_quiet = False
+    if not sys.stderr.isatty() and not isinstance(sys.stderr, _PlainProgress):
         os.environ.setdefault("TQDM_MININTERVAL", str(PLAIN_PROGRESS_S))
         sys.stderr = _PlainProgress(sys.stderr)
 

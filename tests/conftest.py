@@ -58,6 +58,19 @@ def pytest_runtest_teardown(item):
             _LIBC.malloc_trim(0)
 
 
+@pytest.fixture(autouse=True)
+def _tqdm_settings_stay_with_their_test():
+    """A command run in-process with --quiet sets TQDM_DISABLE (tqdm's way to be silent) for the rest of the
+    process: without this, later tests in the same xdist worker saw no progress bar in their subprocesses."""
+    import os
+
+    before = {k: v for k, v in os.environ.items() if k.startswith("TQDM_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("TQDM_")]:
+        del os.environ[key]
+    os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def demo_db_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("demo") / "demo.db"

@@ -1,5 +1,6 @@
 """What the commands print on stderr when it is a log file rather than a terminal."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,8 @@ def test_progress_in_a_log_file_is_a_few_plain_lines(tmp_path):
     plain lines, the first and the last state only when they are seconds apart, and log records untouched."""
     log = tmp_path / "stderr.log"
     with open(log, "w") as stderr:
-        subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, stderr=stderr, check=True, timeout=120)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}  # as a user's shell has them
+        subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, stderr=stderr, check=True, timeout=120)
     text = log.read_text()
     assert "\r" not in text
     lines = [line for line in text.splitlines() if line.strip()]
@@ -37,3 +39,20 @@ def test_progress_in_a_log_file_is_a_few_plain_lines(tmp_path):
     assert len(bars) == 2, lines  # the first frame, then the closed bar (the 30-second interval never passed)
     assert "200/200" in bars[-1] and "reward=0.995" in bars[-1]
     assert any(line.endswith("] half way") for line in lines)
+
+
+def test_quiet_lasts_one_command_of_a_process(monkeypatch):
+    """Catches a bench (or any caller of main() in-process) whose build-db --quiet silenced every later command's
+    progress bars; a TQDM_DISABLE the user set stays set."""
+    from email_agent import cli
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    cli.console(quiet=True)
+    assert os.environ.get("TQDM_DISABLE") == "1"
+    cli.console()
+    assert "TQDM_DISABLE" not in os.environ
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    cli.console(quiet=True)
+    cli.console()
+    assert os.environ.get("TQDM_DISABLE") == "1"
