@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
-.PHONY: setup setup-qwen demo enron test bench mutants setup-gpu gpu-smoke
+.PHONY: setup setup-qwen demo enron test rehearse-qwen bench mutants setup-gpu gpu-smoke
 
 VLLM_VENV ?= .venv-vllm
 
@@ -77,6 +77,10 @@ test: setup setup-qwen
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist worksteal --ignore tests/test_qwen_rehearsal.py
 	$(PY) -m pytest tests/test_qwen_rehearsal.py
+
+# The rehearsal on any CPU: make test skips it where bfloat16 is not in hardware (16 min there instead of ~5).
+rehearse-qwen: setup setup-qwen
+	EMAIL_AGENT_REHEARSE_QWEN=1 $(PY) -m pytest tests/test_qwen_rehearsal.py
 
 bench: setup
 	$(PY) bench/bench_data.py

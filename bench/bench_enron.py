@@ -10,7 +10,8 @@ the real-mail question set data/enron-questions; or, with --enron '', the corpus
 Hugging Face); a warm start on the scripted expert's episodes of the *train* questions (`train --sft-only
 --sft-from expert`); GRPO, the same run resumed; one evaluation of the base model, the warm start, the final
 checkpoint, the base model prompted with tool_choice=required, and make demo's trained agent when one is in
---demo-art-dir, on held-out *test* questions, with the HTML report. Then the table, the expert's ceiling in this
+--demo-art-dir, on held-out *test* questions, with the HTML report. The three commands share one vLLM server
+per seed (EMAIL_AGENT_VLLM_URL), started here: each would start its own. Then the table, the expert's ceiling in this
 episode shape, exact McNemar tests (right answers) and sign tests (score: right +1, hallucinated -1) of the final
 agent against the base and the warm start, pooled over the seeds when there are several, and each phase's time.
 
@@ -30,7 +31,7 @@ import os
 import platform
 import sys
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,12 +180,13 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> tuple[dict, dict, dict]
     if not (report / "summary.json").exists():
         warm_start, grpo = train_commands(args, seed, db, art_dir)
         state = run_dir / "state.json"
-        if state.is_file() and json.loads(state.read_text()).get("sft_done"):  # resumed: not served again for nothing
-            print(f"--- warm start, seed {seed}: done earlier in {run_dir}")
-        else:
-            times["warm start"] = run(f"warm start, seed {seed}", *warm_start)
-        times["GRPO"] = run(f"GRPO, seed {seed}", *grpo)
-        times["evaluate"] = evaluate(args, db, art_dir, run_dir, report)
+        with one_server(args, seed, art_dir / "logs" / "vllm.log") as (base_url, base_name):
+            if state.is_file() and json.loads(state.read_text()).get("sft_done"):
+                print(f"--- warm start, seed {seed}: done earlier in {run_dir}")
+            else:
+                times["warm start"] = run(f"warm start, seed {seed}", *warm_start)
+            times["GRPO"] = run(f"GRPO, seed {seed}", *grpo)
+            times["evaluate"] = evaluate(args, db, art_dir, run_dir, report, base_url, base_name)
     else:
         print(f"(its report exists: not run again; delete {work} to start it over)")
     summary = json.loads((report / "summary.json").read_text())
@@ -213,41 +215,58 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> tuple[dict, dict, dict]
     return pairs["warm start"], pairs.get("base", pairs["warm start"]), times
 
 
-def evaluate(args, db: Path, art_dir: Path, run_dir: Path, report: Path) -> float:
-    """The evaluation of the run's checkpoints beside the base model, prompted and untrained, and make demo's
-    agent, in one report."""
+def evaluate(args, db: Path, art_dir: Path, run_dir: Path, report: Path, base_url: str, base_name: str
+             ) -> float:
+    """The evaluation of the run's checkpoints beside the base model, untrained and prompted as ART·E's baselines
+    were (tool_choice=required), and make demo's agent, in one report."""
+    from email_agent.backends.cpu.model import served_model_dir
+
     sft_step = json.loads((run_dir / "state.json").read_text())["sft_steps"]
     models = ["--model", "base", "--base-model", args.base_model, "--model", f"enron@{sft_step}",
               "--model", "enron@latest"]
     demo = args.demo_art_dir / "email-agent" / "models" / "demo"
     if (demo / "run_config.json").is_file() and not args.quick:  # make demo's agent, in the shape it trained in
-        link = art_dir / "email-agent" / "models" / "demo"
-        if not link.exists():
-            link.symlink_to(demo.resolve())
-        models += ["--model", "demo"]
-    command = ["test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir), *models, "--limit",
-               str(args.test_questions), "--output", str(report), "--concurrency", str(args.concurrency), *shape(args),
-               "--grounded-answers"]
-    if args.no_prompted:
-        return run("evaluate", *command)
-    return asyncio.run(evaluate_with_prompted(args, art_dir, command))
+        demo_base = json.loads((demo / "run_config.json").read_text()).get("base_model", "")
+        if served_model_dir(demo_base) != served_model_dir(args.base_model):  # the seed's one server serves one base
+            print(f"(make demo's agent is a LoRA of {demo_base}, not of this run's base model: left out)")
+        else:
+            link = art_dir / "email-agent" / "models" / "demo"
+            if not link.exists():
+                link.symlink_to(demo.resolve())
+            models += ["--model", "demo"]
+    if not args.no_prompted:
+        models += ["--model", f"hosted_vllm/{base_name}", "--base-url", base_url]
+    return run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir), *models,
+               "--limit", str(args.test_questions), "--output", str(report), "--concurrency", str(args.concurrency),
+               *shape(args), "--grounded-answers")
 
 
-async def evaluate_with_prompted(args, art_dir: Path, command: list[str]) -> float:
-    """The evaluation, with the base model prompted as ART·E's baselines were (tool_choice=required) on a vLLM
-    server of its own (no LoRA), started here and ended with it."""
-    from email_agent import backends
+@contextmanager
+def one_server(args, seed: int, log_path: Path):
+    """One vLLM server of the base model, LoRA on, for the seed's warm start, GRPO and evaluation (each command
+    would start its own: 1.5-3 min apiece on 2 cores), named to them by URL_ENV; (its base URL, the name it serves
+    the base model under). A server the user named there is used as it is."""
+    from email_agent.backends import cpu_served_name
     from email_agent.backends.cpu.model import load_tokenizer, served_model_dir
-    from email_agent.backends.vllm_server import VLLMServer
+    from email_agent.backends.vllm_server import URL_ENV, VLLMServer
 
-    name = backends.cpu_served_name(args.base_model)
-    server = VLLMServer(str(served_model_dir(args.base_model)), name,
-                        chat_template=load_tokenizer(args.base_model).chat_template,
-                        log_path=art_dir / "logs" / "vllm-prompted.log", lora_rank=0, max_num_seqs=2 * args.concurrency,
-                        url="")
-    async with server:
-        return await asyncio.to_thread(run, "evaluate", *command, "--model", f"hosted_vllm/{name}",
-                                       "--base-url", server.base_url)
+    server = VLLMServer(str(served_model_dir(args.base_model)), cpu_served_name(args.base_model),
+                        chat_template=load_tokenizer(args.base_model).chat_template, log_path=log_path,
+                        lora_rank=TrainConfig().lora_rank, seed=seed,
+                        max_num_seqs=max(args.groups_per_step * args.rollouts_per_group, 2 * args.concurrency))
+    print(f"--- vLLM for seed {seed}: " + (f"{server.url} ({URL_ENV})" if server.url else f"starting (its log: "
+                                                                                      f"{log_path})"), flush=True)
+    own = not server.url
+    server.start()
+    try:
+        asyncio.run(server.wait_ready())  # a server of URL_ENV: checked to serve this base model
+        if own:
+            os.environ[URL_ENV] = server.base_url
+        yield server.base_url, server.served_name
+    finally:
+        if own:
+            os.environ.pop(URL_ENV, None)
+        asyncio.run(server.close())
 
 
 def expert_ceilings(db_path: Path, args) -> dict[str, Ceiling]:

@@ -5,21 +5,24 @@ own commands, and the report is written with each model it was to compare."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ENRON, ROOT, needs_enron
+from email_agent.backends.vllm_server import URL_ENV
 
 
 @needs_enron
 @pytest.mark.slow
 def test_the_real_mail_recipe_runs_each_phase_and_writes_its_report(tmp_path):
     work = tmp_path / "enron"
+    env = {k: v for k, v in os.environ.items() if k != URL_ENV}  # as make enron runs: no server of the session's
     done = subprocess.run([sys.executable, "bench/bench_enron.py", "--quick", "--enron", str(ENRON), "--work",
                            str(work), "--demo-art-dir", str(tmp_path / "no-demo")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=3600)
+                          text=True, timeout=3600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     # the model chosen by the CPU, and why, before anything runs
@@ -35,6 +38,10 @@ def test_the_real_mail_recipe_runs_each_phase_and_writes_its_report(tmp_path):
     assert any(label.startswith("hosted_vllm/") and s["tool_choice"] == "required" for label, s in summary.items())
     assert all(s["n"] == 2 for s in summary.values())
     assert (work / "seed-0" / "report" / "report.html").stat().st_size > 1000
+    # one vLLM server for the seed: the runs and the evaluation used it rather than starting their own
+    art = work / "seed-0" / "art"
+    logs = sorted(log.relative_to(art).as_posix() for log in art.rglob("vllm*.log"))
+    assert logs == ["logs/vllm.log"], logs
     for line in ("the expert, in this episode shape", "McNemar p =", "sign test p =", "targets (issue 80):",
                  "wall time: build"):
         assert line in out, line

@@ -21,6 +21,9 @@ import sys
 import pytest
 
 from conftest import ROOT
+from email_agent.backends.vllm_server import native_bf16
+
+FORCE_ENV = "EMAIL_AGENT_REHEARSE_QWEN"  # set: run on any CPU (make rehearse-qwen)
 
 # Runs `train` in its own process (its ~7 GB are freed at exit) and records what the trainer packs for each GRPO
 # step: the real tokenizer and packer run, their rows are written down beside the ids vLLM sampled.
@@ -92,9 +95,13 @@ def qwen_vllm(tmp_path_factory):
         asyncio.run(server.close())
 
 
-# ~5 min on two cores with native bfloat16 (AVX512-BF16 or AMX); without it a Qwen rollout request takes ~75 s and
-# the test tens of minutes. It passes since the conversion gives Qwen2.5-Coder-0.5B's untrained <tool_call> rows a
-# learnable start (backends/cpu/tool_tags.py): before, no warm start taught it a call the hermes parser reads.
+# ~5 min on two cores with native bfloat16 (AVX512-BF16 or AMX); 16 min without (bench/RESULTS.md), which would take
+# make test past its budget: there it runs with `make rehearse-qwen`. It passes since the conversion gives
+# Qwen2.5-Coder-0.5B's untrained <tool_call> rows a learnable start (backends/cpu/tool_tags.py): before, no warm
+# start taught it a call the hermes parser reads.
+@pytest.mark.skipif(not native_bf16() and not os.environ.get(FORCE_ENV),
+                    reason="this CPU has no bfloat16 in hardware (AMX or AVX512-BF16): the Qwen2.5 rehearsal takes "
+                           "~16 min here instead of ~5; `make rehearse-qwen` runs it anyway")
 @pytest.mark.slow
 def test_qwen25_trains_and_evaluates_through_the_cli_on_exactly_the_tokens_vllm_sampled(demo_db_path, tmp_path,
                                                                                          qwen_vllm):
