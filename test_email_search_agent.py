@@ -232,6 +232,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--wandb", action="store_true", help="trace rollouts and judge calls with W&B Weave (needs "
                                                         "WANDB_API_KEY; tracing is skipped if Weave cannot start)")
     p.add_argument("--project", default=PROJECT, help=f"W&B project for --wandb (default {PROJECT})")
+    cli.show_switch_defaults(p)
     return p
 
 

@@ -34,7 +34,7 @@ from email_agent import cli, runs
 from email_agent.serving import players
 from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir
 from email_agent.errors import UserError
-from email_agent.data.email_db import EmailDB, check_day, visible_until
+from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, check_day, visible_until
 
 
 # ---- build-db ------------------------------------------------------------------------------------
@@ -43,6 +43,10 @@ def build_db(args) -> None:
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     if args.demo and (args.emails or args.questions):
         raise UserError("--demo builds the bundled demo inbox; it takes no --emails or --questions")
+    if args.emails and not args.db:  # refused, not named after the source: every later command needs --db anyway
+        raise UserError(f"--emails needs --db to name the database of that mail (e.g. --db data/me.db): without it "
+                        f"the mail would go to {DEFAULT_DB}, the Enron corpus's name, which the other commands read "
+                        f"when given no --db")
     build.check_target(db_path, [args.emails, args.questions], brings_questions=not args.emails or bool(args.questions),
                        overwrite=args.overwrite)
     emails, question_rows, source, total = build.open_sources(demo=args.demo, emails=args.emails,
@@ -73,7 +77,7 @@ def inboxes(args) -> None:
 
 # ---- generate-questions: an LLM writes the question set for an inbox -----------------------------
 
-def generate_questions(args) -> None:
+def generate_questions(args) -> int | None:
     # here, not at the top: there this function's own name would replace the imported generate_questions
     from email_agent.data.generate import GenerateConfig, cache_path, generate_questions
 
@@ -84,7 +88,20 @@ def generate_questions(args) -> None:
                          timeout=args.timeout)
     print(f"generating questions for {args.db} with {cfg.model} (temperature {cfg.temperature}; a request waits up "
           f"to {cfg.timeout:g} s, {cfg.retries} tries); replies cached in {cache_path(args.db)}", file=sys.stderr)
-    summary = generate_questions(args.db, cfg, progress=not args.quiet)
+
+    def confirm(estimate) -> bool:  # the mail and the money, before either is sent
+        print("\n".join(estimate.lines()), file=sys.stderr)
+        if args.yes or not sys.stdin.isatty():  # a script or a pipe: told, never asked
+            return True
+        try:
+            return input("Send them? [y/N] ").strip().lower() in ("y", "yes")
+        except EOFError:
+            return False
+
+    summary = generate_questions(args.db, cfg, progress=not args.quiet, confirm=confirm)
+    if summary is None:
+        print("stopped: nothing was sent (--yes sends without asking)", file=sys.stderr)
+        return 1
     print("\n".join(summary.lines()))
 
 
@@ -93,13 +110,23 @@ def generate_questions(args) -> None:
 def search(args) -> None:
     db = EmailDB(args.db)
     db.require_inbox(args.inbox)
-    results = db.search(args.inbox, args.keywords, from_address=args.from_address, to_address=args.to_address,
-                        sent_after=check_day("--after", args.after), sent_before=check_day("--before", args.before),
-                        visible_until=visible_until(args.as_of), max_results=args.max_results)
+    filters = dict(from_address=args.from_address, to_address=args.to_address,
+                   sent_after=check_day("--after", args.after), sent_before=check_day("--before", args.before),
+                   visible_until=visible_until(args.as_of), max_results=args.max_results)
+    results = db.search(args.inbox, args.keywords, **filters)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2, ensure_ascii=False))
-        return
-    print("\n".join(r.as_text(rank) for rank, r in enumerate(results, 1)) if results else "no matches")
+    else:
+        print("\n".join(r.as_text(rank) for rank, r in enumerate(results, 1)) if results else "no matches")
+    phrases = [keyword for keyword in args.keywords if len(keyword.replace('"', " ").split()) > 1]
+    if not results and phrases:  # `search "quarterly budget"`: the words were likely meant, anywhere in an email
+        words = [word for keyword in args.keywords for word in keyword.replace('"', " ").split()]
+        found = len(db.search(args.inbox, words, **{**filters, "max_results": MAX_SEARCH_RESULTS}))
+        count = f"{found}{'+' if found == MAX_SEARCH_RESULTS else ''} email{'s match' if found > 1 else ' matches'}"
+        unquoted = (f"without quotes {count}: search --inbox {args.inbox} {' '.join(words)}" if found else
+                    "without quotes nothing matches either")
+        print(f"hint: quotes make a phrase: {phrases[0]!r} matches only those words side by side, in that order; "
+              f"{unquoted}", file=sys.stderr)
 
 
 def read(args) -> None:
@@ -169,6 +196,7 @@ def make_parser() -> argparse.ArgumentParser:
     console = cli.console_flags()
     add_inbox_commands(sub, console)
     add_agent_commands(sub, console)
+    cli.show_switch_defaults(parser)
     return parser
 
 
@@ -194,10 +222,11 @@ def add_inbox_commands(sub, console: argparse.ArgumentParser) -> None:
                             "provider's usual variable (OPENAI_API_KEY...). Example: python "
                             "train_email_search_agent.py generate-questions --db data/me.db --model "
                             "openai/gpt-4.1 --inbox me@example.com --max-questions 500")
-    generate.add_arguments(p, DEFAULT_DB)
+    cli.add_db_flags(p, DEFAULT_DB, f"database from build-db (default {DEFAULT_DB})")
+    generate.add_arguments(p)
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=DEFAULT_DB, metavar="PATH", help=f"database (default {DEFAULT_DB})")
+    cli.add_db_flags(common, DEFAULT_DB, f"database (default {DEFAULT_DB})")
     common.add_argument("--as-of", metavar="DATE", help="hide mail dated after DATE, as the agent does for a question "
                                                        "asked that day")
     common.add_argument("--json", action="store_true", help="machine-readable output")
@@ -219,7 +248,7 @@ def add_inbox_commands(sub, console: argparse.ArgumentParser) -> None:
                 description="Every address with mail sent or received in the database, largest first, with how "
                             "many emails and questions it has. Example: python train_email_search_agent.py "
                             "inboxes --db data/demo.db")
-    p.add_argument("--db", default=DEFAULT_DB, metavar="PATH", help=f"database (default {DEFAULT_DB})")
+    cli.add_db_flags(p, DEFAULT_DB, f"database (default {DEFAULT_DB})")
     p.add_argument("--limit", type=int, default=20, metavar="N", help="the N largest (default 20; 0: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 

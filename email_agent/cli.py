@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import fields
 
+from email_agent.data.email_db import DEMO_DB
 from email_agent.errors import UserError
 from email_agent.runs import storage_problem
 
@@ -130,13 +131,37 @@ def add_dataclass_flags(parser, cls) -> None:
             comments[name] = rest.split("#", 1)[1].strip()
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        help_text = comments.get(f.name, "") + (f" (default {f.default!r})" if f.type != "bool" else "")
+        default = (f" (default: {'on' if f.default else 'off'})" if f.type == "bool" else
+                   "" if f.default == "" else f" (default {f.default!r})")  # "": the comment says what it means
+        help_text = comments.get(f.name, "") + default
         help_text = help_text.replace("%", "%%")  # argparse %-formats help text: "10% warm-up" would crash --help
         if f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             parser.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None,
                                 metavar=f.name.upper(), help=help_text)
+
+
+def show_switch_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: on)" or "(default: off)" to the help of every on/off flag of `parser` and its subcommands
+    that does not say its default yet: a bare switch's default is otherwise nowhere in --help."""
+    switches = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                show_switch_defaults(subparser)
+        elif isinstance(action, switches) and action.help not in (None, argparse.SUPPRESS) \
+                and "(default" not in action.help:
+            action.help += f" (default: {'on' if action.default else 'off'})"
+
+
+def add_db_flags(parser, default: str | None, help: str) -> None:
+    """--db PATH, or --demo for the demo inbox's database (one or the other): what every command reading a
+    database takes."""
+    either = parser.add_mutually_exclusive_group()
+    either.add_argument("--db", default=default, metavar="PATH", help=help)
+    either.add_argument("--demo", dest="db", action="store_const", const=DEMO_DB,
+                        help=f"the demo inbox (build-db --demo): --db {DEMO_DB}")
 
 
 def run_cancellable(coroutine) -> None:

@@ -16,11 +16,12 @@ from email_agent import backends
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import UserError
 from email_agent.agent.episode import SHAPE, Episode
+from email_agent.data import email_db
 
 EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
 
 DEFAULT_DB = "data/enron_emails.db"
-DEMO_DB = "data/demo.db"
+DEMO_DB = email_db.DEMO_DB
 
 
 @dataclass
@@ -34,7 +35,7 @@ class TrainConfig:
     train_anyway: bool = False  # train even when the first step's check says GRPO cannot learn (otherwise it stops)
     seed: int = 0  # one seed for question order, sampling and LoRA init
     backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
-    base_model: str = ""  # default: Qwen/Qwen2.5-7B-Instruct on GPU, SmolLM2-135M-Instruct on CPU (or a local dir)
+    base_model: str = ""  # GPU: the largest Qwen2.5-Instruct the card fits (7B: 24-40 GB, 14B: 80 GB); CPU: SmolLM2
     # data
     demo: bool = False  # the bundled demo inbox (builds data/demo.db if missing) with the small CPU preset
     db: str = DEFAULT_DB  # database from build-db
@@ -50,7 +51,7 @@ class TrainConfig:
     max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
     learning_rate: float = 1.2e-5
     advantage_balance: float = 0.0  # ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)
-    scale_rewards: bool = True  # divide each group's advantages by its reward std (ART's default); off: Dr. GRPO
+    scale_rewards: bool = True  # divide each group's advantages by its reward std (as ART); off (--demo): Dr. GRPO
     max_turns: int = Episode.max_turns  # agent turns per question
     max_tokens: int = Episode.max_tokens  # tokens per model reply
     max_body_chars: int = Episode.max_body_chars  # read_email cuts longer bodies

@@ -22,9 +22,10 @@ from importlib.util import find_spec
 # a run's checkpoints and an export or two (a 7B merged export is another 15 GB, not counted).
 NEEDED_GB = {"cpu": 6.0, "gpu": 40.0}
 WHAT = {"cpu": "make setup", "gpu": "make setup-gpu"}
-PYTHON_FIX = ("install it (Debian 12: sudo apt-get install python3 python3-venv; Ubuntu 22.04: sudo apt-get install "
-              "python3.11 python3.11-venv; elsewhere: `uv python install 3.11` or a python:3.11 container) and run "
-              "make PYTHON=python3.11 ...")
+PYTHON_FIX = ("install it, then point make at it (Debian 12: sudo apt-get install python3 python3-venv; Ubuntu 22.04: "
+              "sudo apt-get install python3.11 python3.11-venv, then make PYTHON=python3.11 ...; elsewhere, as on "
+              "Ubuntu 24.04 or Debian 13: `uv python install 3.11`, then make PYTHON=\"$(uv python find 3.11)\" ...; "
+              "or a python:3.11 container)")
 
 
 def problems(kind: str, free_gb: float, machine: str, system: str, python: tuple[int, int], has_ensurepip: bool,
@@ -59,6 +60,23 @@ def problems(kind: str, free_gb: float, machine: str, system: str, python: tuple
     return found
 
 
+# /proc/cpuinfo's names for bfloat16 matmuls in hardware (AMX, AVX512-BF16), as email_agent/backends/vllm_server.py
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_kind(cpuinfo: str, cores: int) -> str:
+    """Which of the README's times apply to this CPU: they were measured on 2 cores of each kind it names."""
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split()}
+    if found := [flag for flag in BF16_FLAGS if flag in flags]:
+        return (f"this CPU has bfloat16 in hardware ({', '.join(found)}), {cores} cores: the README's times "
+                f"\"with bfloat16 in hardware\" apply (measured on 2 cores).")
+    if "avx2" in flags:
+        return (f"this CPU has AVX2 but no bfloat16 in hardware (no {' or '.join(BF16_FLAGS)}), {cores} cores: the "
+                f"README's times \"on an AVX2-only CPU\" apply (measured on 2 cores).")
+    return (f"this CPU has neither AVX2 nor bfloat16 in hardware, {cores} cores: expect it slower than every time "
+            f"in the README (none was measured on such a CPU).")
+
+
 def visible_gpus() -> list[str] | None:
     """The GPUs nvidia-smi lists (None when there is no nvidia-smi)."""
     if shutil.which("nvidia-smi") is None:
@@ -91,6 +109,12 @@ def main(argv: list[str]) -> int:
                      is not None, glibc=glibc_version(), gpus=visible_gpus() if kind == "gpu" else None)
     for problem in found:
         print(f"{WHAT[kind]}: {problem}", file=sys.stderr)
+    if kind == "cpu" and not found:
+        try:
+            cpuinfo = open("/proc/cpuinfo", errors="replace").read()
+        except OSError:
+            cpuinfo = ""
+        print(f"{WHAT[kind]}: {cpu_kind(cpuinfo, len(os.sched_getaffinity(0)))}")
     return 1 if found else 0
 
 

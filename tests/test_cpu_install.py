@@ -173,3 +173,19 @@ def test_make_demo_builds_trains_and_evaluates_after_the_install(tmp_path):
                                                   ["train_email_search_agent.py", "train"],
                                                   ["test_email_search_agent.py", "--demo"]]
     assert printed.index(jobs[0]) > max(i for i, line in enumerate(printed) if "pip install" in line)
+
+
+@pytest.mark.parametrize("flags, kind", [("fpu sse2 avx avx2 fma avx512f avx512_bf16", "bfloat16 in hardware"),
+                                         ("fpu avx2 amx_bf16 amx_tile", "bfloat16 in hardware"),
+                                         ("fpu sse2 avx avx2 fma", "AVX2"), ("fpu sse2 sse4_2", "neither")])
+def test_the_machine_check_says_which_of_the_readmes_times_apply(flags, kind):
+    """The README quotes each time with the CPU kind that made it; `make setup` says which kind this CPU is, in
+    the README's own words."""
+    said = check_machine.cpu_kind(f"processor\t: 0\nflags\t\t: {flags}\n", cores=4)
+    assert kind in said and "4 cores" in said
+    quoted = re.findall(r'"([^"]+)"', said)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    if kind == "neither":
+        assert not quoted and "none was measured" in said
+    else:
+        assert len(quoted) == 1 and readme.count(quoted[0]) >= 2, quoted  # in the README, beside its times

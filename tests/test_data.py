@@ -1,5 +1,6 @@
 """The database build (sources, atomicity, counts) and the read-only search/read queries."""
 
+import argparse
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -9,6 +10,8 @@ import gzip
 import json
 import mailbox
 import os
+import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -737,17 +740,20 @@ def test_enron_sample_search_read_and_scoping(enron_db):
     assert enron_db.read(row[0], inbox=row[1]) is not None
 
 
-def test_readme_search_and_read_examples_find_mail(demo_db_path):
-    """The README's `search` and `read` lines, run as printed against a fresh demo build, return mail."""
+def test_readme_search_and_read_examples_find_mail(demo_db_path, tmp_path):
+    """The README's first look (`search --demo`, `read --demo`), run as printed where build-db --demo has written
+    data/demo.db, returns mail."""
     readme = (ROOT / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if line.startswith("python train_email_search_agent.py search --db "
-                                                                       "data/demo.db") or line.startswith(
-        "python train_email_search_agent.py read --db data/demo.db")]
+    lines = [line for line in readme.splitlines()
+             if line.startswith(("python train_email_search_agent.py search --demo",
+                                 "python train_email_search_agent.py read --demo"))]
     assert len(lines) == 2
+    (tmp_path / "data").mkdir()
+    shutil.copy(demo_db_path, tmp_path / "data" / "demo.db")
     for line in lines:
-        args = [arg.strip("'") for arg in line.split()[1:]]
-        args[args.index("data/demo.db")] = str(demo_db_path)
-        result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        args = [arg.strip("'") for arg in line.split("#")[0].split()[1:]]
+        result = subprocess.run([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "<demo." in result.stdout and "no matches" not in result.stdout, (line, result.stdout)
 
@@ -892,3 +898,118 @@ def test_build_db_and_inboxes_list_the_addresses_inbox_may_name(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "train_email_search_agent.py"), "inboxes", "--db",
                               str(tmp_path / "none.db")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert missing.returncode == 1 and "No database at" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_ones_own_mail_is_never_built_under_the_enron_databases_name(tmp_path, monkeypatch, capsys):
+    """`build-db --emails my.mbox` without --db once wrote the user's mail into data/enron_emails.db, the name every
+    other command reads by default: refused in one sentence naming --db, nothing written."""
+    import train_email_search_agent as cli
+
+    export = tmp_path / "mail.jsonl"
+    export.write_text("".join(json.dumps(record(i)) + "\n" for i in range(3)))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["build-db", "--emails", str(export), "--quiet"]) == 1
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("Error: --emails needs --db") and "data/enron_emails.db" in said[0]
+    assert not (tmp_path / "data").exists()
+    assert cli.main(["build-db", "--emails", str(export), "--db", "data/me.db", "--quiet"]) == 0
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["me.db"]
+
+
+def test_every_command_that_reads_a_database_takes_demo_and_a_missing_one_points_to_it(demo_db_path, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """--demo wherever --db is taken, never both; "No database at data/enron_emails.db" names data/demo.db when
+    it is there (and only then)."""
+    import test_email_search_agent as evaluate
+    import train_email_search_agent as cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["inboxes"]) == 1
+    assert capsys.readouterr().err.strip() == ("Error: No database at data/enron_emails.db; run `python "
+                                               "train_email_search_agent.py build-db` first.")
+    (tmp_path / "data").mkdir()
+    shutil.copy(demo_db_path, tmp_path / "data" / "demo.db")
+    inbox, message_id = "maya.okafor@larkspur.example", "<demo.000068@larkspur.example>"
+    for argv, shown in ((["inboxes"], inbox), (["search", "--inbox", inbox, "Godwit", "review"], message_id),
+                        (["read", message_id], "Subject: Godwit status review")):
+        assert cli.main(argv) == 1
+        assert "or use the demo inbox's data/demo.db with --demo." in capsys.readouterr().err
+        assert cli.main([*argv, "--demo"]) == 0 and shown in capsys.readouterr().out
+    parser = cli.make_parser()
+    for argv in (["ask", "--inbox", inbox, "When?"], ["serve"], ["generate-questions", "--model", "m"]):
+        assert parser.parse_args([*argv, "--demo"]).db == "data/demo.db"
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv, "--demo", "--db", "x.db"])
+        assert "not allowed with argument" in capsys.readouterr().err
+    # every subcommand of both scripts that takes --db takes --demo (build-db, train and the evaluation: their own)
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in [*subcommands.items(), ("evaluation", evaluate.make_parser())]:
+        flags = {flag for action in sub._actions for flag in action.option_strings}
+        assert "--db" not in flags or "--demo" in flags, name
+
+
+def test_a_quoted_phrase_that_matches_nothing_is_told_that_quotes_make_a_phrase(demo_db_path, capsys):
+    """`search "Godwit review"` finds no email where the two words stand side by side; the hint says so, and its
+    command, run as printed, finds the mail. A phrase that matches, or one word, gets no hint."""
+    import train_email_search_agent as cli
+
+    inbox = ["--db", str(demo_db_path), "--inbox", "maya.okafor@larkspur.example"]
+    assert cli.main(["search", *inbox, "Godwit review"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "no matches"
+    assert err.startswith("hint: quotes make a phrase: 'Godwit review' matches only those words side by side")
+    suggested = err.split(": search ", 1)[1].split()
+    assert suggested == ["--inbox", "maya.okafor@larkspur.example", "Godwit", "review"]
+    assert cli.main(["search", "--db", str(demo_db_path), *suggested, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found and f"without quotes {len(found)} emails match" in err
+    for keywords, hinted in ((["Godwit status review"], False), (["Godwit"], False), (["Godwit zebra"], True)):
+        assert cli.main(["search", *inbox, *keywords]) == 0
+        out, err = capsys.readouterr()
+        assert ("no matches" in out) == hinted
+        assert err == ("hint: quotes make a phrase: 'Godwit zebra' matches only those words side by side, in that "
+                       "order; without quotes nothing matches either\n" if hinted else "")
+
+
+def test_an_archive_or_a_compressed_export_is_answered_with_how_to_unpack_it(tmp_path, monkeypatch, capsys):
+    """A Takeout .zip, an .mbox.gz and the CMU release's .tar.gz: one sentence saying how to unpack it and what to
+    pass then (the mbox inside a zip named); that advice, followed as written, builds the mail."""
+    import tarfile
+    import zipfile
+
+    import train_email_search_agent as cli
+
+    monkeypatch.chdir(tmp_path)
+    box = mailbox.mbox(tmp_path / "plain.mbox")
+    for i in range(2):
+        box.add(email.message_from_string(f"From: a@x.com\nTo: b@x.com\nSubject: s{i}\nMessage-ID: <z{i}@x>\n"
+                                          f"Date: Mon, 01 Jan 2024 09:30:00 +0000\n\nbody {i}\n"))
+    box.close()
+    mbox = (tmp_path / "plain.mbox").read_bytes()
+    takeout = "Takeout/Mail/All mail Including Spam and Trash.mbox"
+    with zipfile.ZipFile(tmp_path / "takeout-001.zip", "w") as archive:
+        archive.writestr("Takeout/archive_browser.html", "<html></html>")
+        archive.writestr(takeout, mbox)
+    (tmp_path / "mail.mbox.gz").write_bytes(gzip.compress(mbox))
+    (tmp_path / "maildir" / "allen-p" / "inbox").mkdir(parents=True)
+    (tmp_path / "maildir" / "allen-p" / "inbox" / "1.").write_bytes(mbox.split(b"\n", 1)[1])
+    with tarfile.open(tmp_path / "enron_mail.tar.gz", "w:gz") as archive:
+        archive.add("maildir")
+    shutil.rmtree(tmp_path / "maildir")
+    advice = {"takeout-001.zip": f"is a zip archive; unzip it first (unzip 'takeout-001.zip'), then pass --emails "
+                                 f"'{takeout}'.",
+              "mail.mbox.gz": "is gzip-compressed; unpack it first (gunzip -k 'mail.mbox.gz'), then pass mail.mbox.",
+              "enron_mail.tar.gz": "is a compressed tar archive; unpack it first (tar -xzf 'enron_mail.tar.gz'), "
+                                   "then pass the folder it holds: --emails maildir."}
+    for name, says in advice.items():
+        assert cli.main(["build-db", "--emails", name, "--db", "out.db", "--quiet"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == f"Error: {name} {says}"
+        assert not (tmp_path / "out.db").exists()
+    zipfile.ZipFile("takeout-001.zip").extractall()
+    (tmp_path / "mail.mbox").write_bytes(gzip.decompress((tmp_path / "mail.mbox.gz").read_bytes()))
+    with tarfile.open("enron_mail.tar.gz") as archive:
+        archive.extractall(filter="data")
+    for unpacked in (takeout, "mail.mbox", "maildir"):
+        assert cli.main(["build-db", "--emails", unpacked, "--db", "out.db", "--overwrite", "--quiet"]) == 0
+        assert re.search(r"^emails\s+[12] ", capsys.readouterr().out, re.M), unpacked

@@ -394,3 +394,54 @@ def test_the_gpu_sequence_on_a_machine_without_gpu_key_or_database_is_one_senten
         assert done.returncode != 0 and "Traceback" not in done.stderr and len(said) == 1, (argv, done.stderr[-2000:])
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], [".art"], ["data"], [".art", "data"])
     assert not list(tmp_path.glob("data/*.db")) and not list(tmp_path.glob(".art/*/models/*"))
+
+
+# ---- --help as a user reads it ---------------------------------------------------------------------------
+
+def switches(parser: argparse.ArgumentParser, command: str = ""):
+    """(subcommand, flag, help) of every on/off flag of a parser and of its subcommands."""
+    kinds = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from switches(sub, name)
+        elif isinstance(action, kinds):
+            yield command, action.option_strings[0], action.help
+
+
+def test_every_switch_says_its_default_in_help():
+    """A bare switch's default was nowhere in --help: --single-source is on for training and off for the
+    evaluation. Training's are checked against TrainConfig (its flags default to None in the parser)."""
+    from dataclasses import fields
+
+    from email_agent.config import TrainConfig
+
+    said = {}
+    for script, make_parser in SCRIPTS.items():
+        for command, flag, text in switches(make_parser()):
+            default = re.search(r"\(default: (on|off)\)", text or "")
+            assert default, f"{script} {command} {flag}: {text!r}"
+            said[(command or "evaluation", flag)] = default.group(1)
+    for f in fields(TrainConfig):
+        if f.type == "bool":
+            assert said[("train", "--" + f.name.replace("_", "-"))] == ("on" if f.default else "off")
+    assert said[("train", "--single-source")] == "on" and said[("evaluation", "--single-source")] == "off"
+    assert said[("serve", "--grounded-answers")] == "on" and said[("ask", "--grounded-answers")] == "off"
+
+
+def test_train_help_names_the_base_model_the_code_picks_for_each_card():
+    """`--base-model`'s help said 7B on a GPU, while the code picks the largest model that fits the card."""
+    from email_agent.backends import readiness
+    from email_agent.config import TrainConfig
+
+    train = next(a for a in cli.make_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["train"]
+    text = next(a.help for a in train._actions if "--base-model" in a.option_strings)
+    claims = re.findall(r"(\d+(?:\.\d+)?B): (\d+)(?:-(\d+))? GB", text)
+    assert [c[0] for c in claims] == ["7B", "14B"], text
+    cfg = TrainConfig()
+    for size, low, high in claims:
+        for card in filter(None, (low, high)):
+            picked = readiness.default_local_model(readiness.CARD_GIB[int(card)], max_seq_length=cfg.max_seq_length,
+                                                   gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                                   enforce_eager=cfg.enforce_eager)
+            assert picked == f"Qwen/Qwen2.5-{size}-Instruct", (card, picked)

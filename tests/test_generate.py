@@ -1,5 +1,6 @@
 """generate-questions: an LLM (the scripted server) writes questions; every candidate is checked before it is stored."""
 
+import io
 import json
 import os
 import re
@@ -205,7 +206,7 @@ def run_cli(*args, env=None):
     return subprocess.Popen([sys.executable, str(ROOT / "train_email_search_agent.py"), "generate-questions",
                              *map(str, args)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)  # asks nothing
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -317,3 +318,96 @@ def test_databases_built_before_the_model_columns_still_work(db_path):
     assert len(select_questions(db, "train")) + len(select_questions(db, "test")) == 7
     db.close()
     assert sum(summary.added.values()) == 6
+
+
+def test_what_is_sent_and_its_cost_are_told_before_anything_is_sent(db_path):
+    """The estimate is made before the first request, from the very prompts the run then sends (litellm's token
+    count) and litellm's price map; a run stopped there sends and stores nothing, and keeps the replies already
+    paid for even with --replace."""
+    import litellm
+
+    with serve_in_thread({"gpt-4o-mini": good_and_bad}) as server:
+        cfg = config(server.base_url, model="openai/gpt-4o-mini")
+        told = []
+
+        def decline(estimate):
+            told.append((estimate, len(server.requests)))
+            return False
+
+        assert generate.generate_questions(db_path, cfg, progress=False, confirm=decline) is None
+        (estimate, sent_before_it), = told
+        assert sent_before_it == 0 and server.requests == [] and stored(db_path) == []
+        assert (estimate.batches, estimate.emails, estimate.cached) == (3, 12, 0)
+        assert "to send     12 emails in 3 batches to openai/gpt-4o-mini" in estimate.lines()[0]
+
+        summary = generate.generate_questions(db_path, cfg, progress=False, confirm=lambda estimate: True)
+        assert summary.batches == 3 and len(server.requests) == 3
+        sent = sum(litellm.token_counter(model=cfg.model, messages=r["messages"]) for r in server.requests)
+        assert estimate.input_tokens == sent  # three batches: each one's prompt counted, none scaled
+        replies = 3 * cfg.questions_per_batch * generate.OUTPUT_TOKENS_PER_QUESTION
+        assert estimate.cost_usd == pytest.approx(sum(litellm.cost_per_token(
+            model=cfg.model, prompt_tokens=sent, completion_tokens=replies)), rel=1e-3)
+        assert f"about ${estimate.cost_usd:.2f} at litellm's prices" in estimate.lines()[1]
+        assert estimate.cost_usd < estimate.cost_usd_max  # every reply at its 4,000-token limit
+
+        cache = generate.cache_path(db_path).read_text()
+        replace = config(server.base_url, model="openai/gpt-4o-mini", replace=True)
+        assert generate.generate_questions(db_path, replace, progress=False, confirm=lambda e: False) is None
+        assert generate.cache_path(db_path).read_text() == cache and len(stored(db_path)) == 6
+        assert len(server.requests) == 3
+
+
+def test_a_model_without_a_price_is_said_to_cost_an_unknown_amount(db_path):
+    told = []
+    with serve_in_thread({"gen": good_and_bad}) as server:
+        generate.generate_questions(db_path, config(server.base_url, max_questions=4), progress=False,
+                                    confirm=lambda estimate: told.append(estimate) or False)
+    assert told[0].cost_usd is None and not server.requests
+    assert told[0].lines()[0].endswith("to hosted_vllm/gen; --max-questions may stop it after 1 batch")
+    assert "the cost is unknown (litellm has no price for hosted_vllm/gen)" in told[0].lines()[1]
+
+
+def run_on_a_terminal(args, typed: str) -> subprocess.CompletedProcess:
+    """generate-questions with a terminal (a pseudo-terminal) as its stdin, `typed` typed into it."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train_email_search_agent.py"), "generate-questions",
+                                 *map(str, args)], cwd=ROOT, stdin=follower, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        os.write(leader, typed.encode())
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_on_a_terminal_it_asks_before_sending_and_without_one_it_goes_on(db_path, monkeypatch, capsys):
+    import train_email_search_agent as cli
+
+    with serve_in_thread({"gen": good_and_bad}) as server:
+        args = ["--db", db_path, "--model", "hosted_vllm/gen", "--base-url", server.base_url, "--inbox", ALICE,
+                "--batch-size", 4, "--quiet"]
+        declined = run_on_a_terminal(args, "n\n")
+        assert declined.returncode == 1 and "Send them? [y/N]" in declined.stdout, declined.stderr
+        assert "to send     12 emails in 3 batches to hosted_vllm/gen" in declined.stderr
+        assert "stopped: nothing was sent" in declined.stderr and "Traceback" not in declined.stderr
+        assert not server.requests and stored(db_path) == []
+
+        monkeypatch.setattr(sys, "stdin", io.StringIO())  # no terminal (a script, a pipe): told, not asked
+        assert cli.main(["generate-questions", *map(str, args)]) == 0
+        out, err = capsys.readouterr()
+        assert "to send     12 emails in 3 batches" in err and "Send them?" not in out
+        assert len(server.requests) == 3 and len(stored(db_path)) == 6
+
+        class Terminal(io.StringIO):  # a terminal nobody types into: the run fails if it asks
+            def isatty(self):
+                return True
+
+        monkeypatch.setattr(sys, "stdin", Terminal())
+        assert cli.main(["generate-questions", *map(str, args), "--replace", "--yes"]) == 0
+        out, err = capsys.readouterr()
+        assert "to send     12 emails in 3 batches" in err and "Send them?" not in out
+        assert len(server.requests) == 6

@@ -56,7 +56,7 @@ def writer(body):
 
 def command(script, *args):
     result = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=900)
+                            text=True, timeout=900, stdin=subprocess.DEVNULL)  # no terminal: nothing is asked
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -79,6 +79,9 @@ def walkthrough(tmp_path_factory):
 def test_walkthrough_build_generate_evaluate(walkthrough):
     tmp, server, agent, generated = walkthrough
     assert "candidates  16: added 4 test, 12 train; rejected 0" in generated.stdout
+    # what is sent, told before it is (no terminal here: told, not asked); no price for a model served here
+    assert "to send     16 emails in 2 batches to hosted_vllm/gen" in generated.stderr
+    assert "the cost is unknown (litellm has no price for hosted_vllm/gen)" in generated.stderr
     db = EmailDB(tmp / "my.db")
     test_qs = qmod.select_questions(db, "test")
     train_qs = qmod.select_questions(db, "train")

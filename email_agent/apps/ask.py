@@ -18,6 +18,7 @@ from email_agent.serving import players
 from email_agent.serving.servers import Servers
 from email_agent.agent.episode import Episode
 from email_agent import runs
+from email_agent.cli import add_db_flags
 from email_agent.runs import ART_DIR
 from email_agent.errors import UserError
 from email_agent.data.email_db import Email, EmailDB, check_day, day_after
@@ -152,7 +153,7 @@ def add_arguments(p, default_db: str) -> None:
 
 def add_model_arguments(p, default_db: str) -> None:
     """Which model answers, on which database, in which episode shape: the flags `ask` and `serve` share."""
-    p.add_argument("--db", metavar="PATH", help=f"database (default: the run's own, else {default_db})")
+    add_db_flags(p, None, f"database (default: the run's own, else {default_db})")
     p.add_argument("--model", metavar="SPEC", help="RUN[@STEP] (default: the most recent run), base, or a "
                                                    "provider/model such as openai/o4-mini or hosted_vllm/NAME")
     p.add_argument("--base-url", help="OpenAI-compatible endpoint for a provider/model")

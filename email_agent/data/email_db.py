@@ -181,6 +181,18 @@ def visible_until(as_of: str | None) -> str | None:
     return None if check_day("--as-of", as_of) is None else day_after(as_of)
 
 
+DEMO_DB = "data/demo.db"  # where `build-db --demo` writes the demo inbox, and what --demo reads
+
+
+def no_database(path: Path, build: str = "build-db") -> str:
+    """The error for a database that is not there, pointing to the demo inbox's when that one is."""
+    demo = Path(DEMO_DB)
+    if demo.is_file() and demo.resolve() != path.resolve():
+        return (f"No database at {path}; build it with `python train_email_search_agent.py {build}`, or use the "
+                f"demo inbox's {DEMO_DB} with --demo.")
+    return f"No database at {path}; run `python train_email_search_agent.py {build}` first."
+
+
 # What this module reads: a database without these (another program's, or a build older than the mailbox table)
 # is refused when opened, not midway through a search.
 READ_COLUMNS = [("id, message_id, date, subject, from_address, body, file_name", "emails"),
@@ -197,7 +209,7 @@ class EmailDB:
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"No database at {path}; run `python train_email_search_agent.py build-db` first.")
+            raise UserError(no_database(path))
         self.path = path
         self.conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, check_same_thread=False)
         try:

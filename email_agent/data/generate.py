@@ -32,9 +32,11 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from tqdm import tqdm
 
+from email_agent.data.email_db import no_database
 from email_agent.data.question_checks import Reject, assign_splits, check_candidate, is_near_duplicate, words
 from email_agent.errors import UserError
 from email_agent.redact import redact
@@ -109,6 +111,72 @@ class GenerateSummary:
         return out
 
 
+# What an estimate takes a reply to be: a question, its answer, a cited id and a score as JSON are about 60-100 tokens
+OUTPUT_TOKENS_PER_QUESTION = 100
+TOKEN_SAMPLE = 20  # batches whose prompts are tokenized; the rest are estimated from their length in characters
+
+
+@dataclass
+class Estimate:
+    """What a run is about to send, told before it sends anything."""
+    model: str
+    batches: int  # batches to ask (those answered from the cache cost nothing)
+    cached: int
+    emails: int  # emails in the batches to ask
+    input_tokens: int
+    output_tokens: int  # questions_per_batch x OUTPUT_TOKENS_PER_QUESTION a reply
+    max_tokens: int  # a reply's limit
+    cost_usd: float | None  # None: litellm has no price for the model
+    cost_usd_max: float | None
+    stops_after: int = 0  # with --max-questions: the fewest batches that can reach it (0: no limit)
+
+    def lines(self) -> list[str]:
+        cached = f" ({plural(self.cached, 'batch')} more answered from the cache)" if self.cached else ""
+        limit = (f"; --max-questions may stop it after {plural(self.stops_after, 'batch')}"
+                 if 0 < self.stops_after < self.batches else "")
+        tokens = (f"~{self.input_tokens:,} input and ~{self.output_tokens:,} output tokens (replies of "
+                  f"~{OUTPUT_TOKENS_PER_QUESTION} tokens a question)")
+        cost = (f"the cost is unknown (litellm has no price for {self.model})" if self.cost_usd is None else
+                f"about ${self.cost_usd:.2f} at litellm's prices, at most ${self.cost_usd_max:.2f} if every reply "
+                f"ran to its {self.max_tokens:,} tokens")
+        return [f"to send     {plural(self.emails, 'email')} in {plural(self.batches, 'batch')} to {self.model}"
+                f"{cached}{limit}",
+                f"estimate    {tokens}: {cost}"]
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "es" if noun.endswith("ch") else "s")
+
+
+def estimate(to_send: list["Batch"], cached: int, cfg: GenerateConfig) -> Estimate:
+    """The tokens and price of asking for `to_send`: the prompts' tokens counted by litellm for the model (on a
+    sample of TOKEN_SAMPLE batches, scaled by length), the replies' guessed, the price from litellm's price map."""
+    # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and this module loads for --help
+    import litellm
+
+    prompts = [batch_prompt(batch, cfg) for batch in to_send]
+    chars = [sum(len(m["content"]) for m in prompt) for prompt in prompts]
+    sample = range(0, len(prompts), max(1, len(prompts) // TOKEN_SAMPLE))
+    try:
+        sampled = sum(litellm.token_counter(model=cfg.model, messages=prompts[i]) for i in sample)
+    except Exception:  # a tokenizer litellm cannot load here (it fetches some from Hugging Face): OpenAI's
+        sampled = sum(litellm.token_counter(messages=prompts[i]) for i in sample)
+    input_tokens = round(sampled * sum(chars) / max(1, sum(chars[i] for i in sample)))
+    n = len(to_send)
+    output_tokens = n * cfg.questions_per_batch * OUTPUT_TOKENS_PER_QUESTION
+
+    def price(completion_tokens: int) -> float | None:
+        try:  # per request, as providers bill it (some price long prompts higher)
+            return n * sum(litellm.cost_per_token(model=cfg.model, prompt_tokens=input_tokens // max(n, 1),
+                                                  completion_tokens=completion_tokens // max(n, 1)))
+        except Exception:  # litellm raises for a model it has no price for
+            return None
+
+    stops_after = math.ceil(cfg.max_questions / cfg.questions_per_batch) if cfg.max_questions else 0
+    return Estimate(cfg.model, n, cached, sum(len(batch.emails) for batch in to_send), input_tokens, output_tokens,
+                    cfg.max_tokens, price(output_tokens), price(n * cfg.max_tokens), stops_after)
+
+
 @dataclass
 class Batch:
     inbox: str
@@ -129,7 +197,7 @@ def open_for_writing(db_path: str | Path) -> sqlite3.Connection:
     the rollback journal lets them in until the single short commit at the end, which waits for them."""
     path = Path(db_path)
     if not path.is_file():
-        raise UserError(f"No database at {path}; run `python train_email_search_agent.py build-db --emails ...` first.")
+        raise UserError(no_database(path, "build-db --emails ... --db " + str(path)))
     conn = sqlite3.connect(path, timeout=60, isolation_level=None)
     try:
         for table in ("emails", "mailbox", "recipients", "questions"):  # one at a time: a join of them is a scan
@@ -314,8 +382,10 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
 # The whole run
 # ----------------------------------------------------------------------------------------------
 
-def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bool = True) -> GenerateSummary:
-    """Generate, validate, split and store questions for cfg.inboxes; see the module docstring for guarantees."""
+def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bool = True,
+                       confirm: Callable[[Estimate], bool] | None = None) -> GenerateSummary | None:
+    """Generate, validate, split and store questions for cfg.inboxes; see the module docstring for guarantees.
+    `confirm` is shown what will be sent before anything is, and may stop the run there (None returned)."""
     if not 0 <= cfg.test_fraction < 1:
         raise UserError(f"--test-fraction must be in [0, 1), not {cfg.test_fraction}")
     if cfg.batch_size < 1 or cfg.concurrency < 1 or cfg.max_questions < 0:
@@ -331,9 +401,14 @@ def generate_questions(db_path: str | Path, cfg: GenerateConfig, *, progress: bo
         if not batches:
             raise UserError(f"No emails with a body in the inbox of {', '.join(summary.inboxes)}.")
         stored = [] if cfg.replace else stored_questions(conn)
-        cache = ReplyCache(cache_path(db_path), fresh=cfg.replace)
-        if any(batch.key(cfg) not in cache.replies for batch in batches):  # a rerun read from the cache needs none
+        cache = ReplyCache(cache_path(db_path), fresh=False)
+        to_send = [batch for batch in batches if cfg.replace or batch.key(cfg) not in cache.replies]
+        if to_send:  # a rerun read from the cache needs no key and costs nothing
             check_key(cfg)
+            if confirm is not None and not confirm(estimate(to_send, len(batches) - len(to_send), cfg)):
+                return None
+        if cfg.replace:  # only now: the replies it deletes were paid for
+            cache = ReplyCache(cache_path(db_path), fresh=True)
         accepted = asyncio.run(_run(batches, conn, cfg, cache, stored, summary, progress))
         if cfg.max_questions:
             summary.beyond_limit = max(0, len(accepted) - cfg.max_questions)
@@ -427,9 +502,8 @@ async def _run(batches, conn, cfg, cache, stored, summary, progress) -> list[dic
     return accepted
 
 
-def add_arguments(p, default_db: str) -> None:
-    """The generate-questions subcommand's flags (GenerateConfig's fields, as a person types them)."""
-    p.add_argument("--db", default=default_db, metavar="PATH", help=f"database from build-db (default {default_db})")
+def add_arguments(p) -> None:
+    """The generate-questions subcommand's flags (GenerateConfig's fields, as a person types them), but --db."""
     p.add_argument("--model", required=True, metavar="SPEC", help="any litellm model name (openai/gpt-4.1, "
                                                                  "anthropic/..., hosted_vllm/NAME with --base-url)")
     p.add_argument("--base-url", metavar="URL", help="an OpenAI-compatible endpoint (a litellm proxy, vLLM)")
@@ -444,6 +518,8 @@ def add_arguments(p, default_db: str) -> None:
                    help="reject questions the model rates less realistic than X (0..1, default 0)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="batch order, query dates and split (default 0)")
     p.add_argument("--replace", action="store_true", help="delete every stored question and cached reply first")
+    p.add_argument("--yes", action="store_true", help="send without asking (the estimate of what is sent and its cost "
+                                                     "is printed first; without a terminal it never asks)")
     p.add_argument("--temperature", type=float, default=0.5, help="sampling temperature (default 0.5, as ART·E)")
     p.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight (default 4)")
     p.add_argument("--timeout", type=float, default=120.0, metavar="S",

@@ -20,6 +20,8 @@ import mailbox as mboxlib
 import math
 import os
 import re
+import tarfile
+import zipfile
 from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -263,6 +265,8 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
         return read_parquet(path)
     if _looks_like_mbox(path):
         return read_mbox(path)
+    if (unpack := unpacking_advice(path)) is not None:
+        raise UserError(unpack)
     if name.endswith(".mbox"):
         with open(path, "rb") as f:
             first = f.readline(80).decode("utf-8", "replace").strip()
@@ -276,6 +280,36 @@ def read_emails(path: str | os.PathLike) -> Iterator[dict]:
                         f"(e.g. with Thunderbird's ImportExportTools, or readpst -r from libpst) and pass that.")
     raise UserError(f"Don't know how to read {path}: expected a mail folder, .jsonl(.gz), .parquet, an mbox file or "
                     f"an .eml file.")
+
+
+def unpacking_advice(path: Path) -> str | None:
+    """What to do with an archive or a compressed file given as mail (a Takeout .zip, an .mbox.gz, the CMU Enron
+    release's .tar.gz): unpack it first, and pass what it holds, named where the archive says; None if `path` is
+    none of these. Read from the file's first bytes, whatever its name."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(path) as archive:
+                boxes = sorted((i for i in archive.infolist() if i.filename.lower().endswith(".mbox")),
+                               key=lambda i: -i.file_size)
+        except (zipfile.BadZipFile, OSError):
+            boxes = []
+        inside = f"--emails '{boxes[0].filename}'" if boxes else "the mail folder or mbox file it holds"
+        return f"{path} is a zip archive; unzip it first (unzip '{path}'), then pass {inside}."
+    if magic[:2] != b"\x1f\x8b":
+        return None
+    try:  # a tar inside: its first entry names the folder it unpacks to
+        with tarfile.open(path, "r:gz") as archive:
+            first = archive.next()
+        top = first.name.split("/")[0] if first is not None else None
+    except (tarfile.TarError, OSError, EOFError):
+        top = None
+    if top:
+        return (f"{path} is a compressed tar archive; unpack it first (tar -xzf '{path}'), then pass the folder it "
+                f"holds: --emails {top}.")
+    unpacked = path.with_suffix("") if path.suffix.lower() == ".gz" else "the file it holds"
+    return f"{path} is gzip-compressed; unpack it first (gunzip -k '{path}'), then pass {unpacked}."
 
 
 def _looks_like_mbox(path: Path) -> bool:
