@@ -367,47 +367,37 @@ def test_a_model_without_a_price_is_said_to_cost_an_unknown_amount(db_path):
     assert "the cost is unknown (litellm has no price for hosted_vllm/gen)" in told[0].lines()[1]
 
 
-def run_on_a_terminal(args, typed: str) -> subprocess.CompletedProcess:
-    """generate-questions with a terminal (a pseudo-terminal) as its stdin, `typed` typed into it."""
+def test_on_a_terminal_it_asks_before_sending_and_without_one_it_goes_on(db_path, monkeypatch, capsys):
+    """Its stdin a terminal (a pseudo-terminal), "n" typed: nothing is sent. --yes on a terminal, and no terminal
+    (a script, a pipe): told, not asked (a "n" waits on the terminal, which a question would read)."""
     import pty
 
-    leader, follower = pty.openpty()
-    try:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train_email_search_agent.py"), "generate-questions",
-                                 *map(str, args)], cwd=ROOT, stdin=follower, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        os.write(leader, typed.encode())
-        out, err = proc.communicate(timeout=120)
-    finally:
-        os.close(follower)
-        os.close(leader)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def test_on_a_terminal_it_asks_before_sending_and_without_one_it_goes_on(db_path, monkeypatch, capsys):
     import train_email_search_agent as cli
 
-    with serve_in_thread({"gen": good_and_bad}) as server:
-        args = ["--db", db_path, "--model", "hosted_vllm/gen", "--base-url", server.base_url, "--inbox", ALICE,
-                "--batch-size", 4, "--quiet"]
-        declined = run_on_a_terminal(args, "n\n")
-        assert declined.returncode == 1 and "Send them? [y/N]" in declined.stdout, declined.stderr
-        assert "to send     12 emails in 3 batches to hosted_vllm/gen" in declined.stderr
-        assert "stopped: nothing was sent" in declined.stderr and "Traceback" not in declined.stderr
-        assert not server.requests and stored(db_path) == []
+    leader, follower = pty.openpty()
+    terminal = os.fdopen(follower, "r")
+    try:
+        with serve_in_thread({"gen": good_and_bad}) as server:
+            args = ["generate-questions", "--db", str(db_path), "--model", "hosted_vllm/gen", "--base-url",
+                    server.base_url, "--inbox", ALICE, "--batch-size", "4", "--quiet"]
+            monkeypatch.setattr(sys, "stdin", terminal)
+            os.write(leader, b"n\n")
+            assert cli.main(args) == 1
+            out, err = capsys.readouterr()
+            assert "Send them? [y/N]" in out and "to send     12 emails in 3 batches to hosted_vllm/gen" in err
+            assert "stopped: nothing was sent" in err and not server.requests and stored(db_path) == []
 
-        monkeypatch.setattr(sys, "stdin", io.StringIO())  # no terminal (a script, a pipe): told, not asked
-        assert cli.main(["generate-questions", *map(str, args)]) == 0
-        out, err = capsys.readouterr()
-        assert "to send     12 emails in 3 batches" in err and "Send them?" not in out
-        assert len(server.requests) == 3 and len(stored(db_path)) == 6
+            os.write(leader, b"n\n")
+            assert cli.main([*args, "--yes"]) == 0
+            out, err = capsys.readouterr()
+            assert "Send them?" not in out and "to send     12 emails in 3 batches" in err
+            assert len(server.requests) == 3 and len(stored(db_path)) == 6
 
-        class Terminal(io.StringIO):  # a terminal nobody types into: the run fails if it asks
-            def isatty(self):
-                return True
-
-        monkeypatch.setattr(sys, "stdin", Terminal())
-        assert cli.main(["generate-questions", *map(str, args), "--replace", "--yes"]) == 0
-        out, err = capsys.readouterr()
-        assert "to send     12 emails in 3 batches" in err and "Send them?" not in out
-        assert len(server.requests) == 6
+            monkeypatch.setattr(sys, "stdin", io.StringIO("n\n"))
+            assert cli.main([*args, "--replace"]) == 0
+            out, err = capsys.readouterr()
+            assert "Send them?" not in out and "to send     12 emails in 3 batches" in err
+            assert len(server.requests) == 6
+    finally:
+        terminal.close()
+        os.close(leader)
