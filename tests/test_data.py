@@ -927,6 +927,8 @@ def test_every_command_that_reads_a_database_takes_demo_and_a_missing_one_points
     assert cli.main(["inboxes"]) == 1
     assert capsys.readouterr().err.strip() == ("Error: No database at data/enron_emails.db; run `python "
                                                "train_email_search_agent.py build-db` first.")
+    assert cli.main(["inboxes", "--demo"]) == 1
+    assert "data/demo.db; run `python train_email_search_agent.py build-db --demo` first." in capsys.readouterr().err
     (tmp_path / "data").mkdir()
     shutil.copy(demo_db_path, tmp_path / "data" / "demo.db")
     inbox, message_id = "maya.okafor@larkspur.example", "<demo.000068@larkspur.example>"

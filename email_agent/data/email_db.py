@@ -187,7 +187,9 @@ DEMO_DB = "data/demo.db"  # where `build-db --demo` writes the demo inbox, and w
 def no_database(path: Path, build: str = "build-db") -> str:
     """The error for a database that is not there, pointing to the demo inbox's when that one is."""
     demo = Path(DEMO_DB)
-    if demo.is_file() and demo.resolve() != path.resolve():
+    if demo.resolve() == path.resolve():
+        build = "build-db --demo"
+    elif demo.is_file():
         return (f"No database at {path}; build it with `python train_email_search_agent.py {build}`, or use the "
                 f"demo inbox's {DEMO_DB} with --demo.")
     return f"No database at {path}; run `python train_email_search_agent.py {build}` first."
