@@ -1,7 +1,8 @@
 """Writing a question set for any inbox with an LLM, as ART·E made its own (art.md A6).
 
 Owns: batching one inbox's emails, the prompt, calling the model (any litellm name, or any OpenAI-compatible
-endpoint with `base_url`), its reply cache, and writing the accepted questions into the database's `questions`
+endpoint with `base_url`), its reply cache, the estimate of what a run will send and cost (told before anything
+is sent, to a `confirm` that may stop it), and writing the accepted questions into the database's `questions`
 table in one transaction. Whether a candidate may be stored, and its split, is `question_checks`'. It sits
 beside `build`, with SQL of its own (`EmailDB` is read-only); the CLI's `generate-questions` is a thin layer over
 `generate_questions`.
