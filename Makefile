@@ -54,10 +54,13 @@ demo: setup  # the main job serves with vLLM (.venv-vllm)
 	$(PY) train_email_search_agent.py train --demo --seed $(SEED) --name $(DEMO)
 	$(PY) test_email_search_agent.py --demo --model base --model $(DEMO)@1 --model $(DEMO) --limit 50 --grounded-answers --concurrency 48 --output eval/$(DEMO)
 
-# Real mail: build the Enron database, warm-start then GRPO an agent on its train questions, evaluate base, warm
-# start, final and the base prompted on held-out test questions (report in eval/enron/seed-N/report). ENRON=DIR is
-# a local copy of the sample (emails.jsonl.gz; questions from data/enron-questions); ENRON= (empty) builds from
-# Hugging Face. The model is chosen by the CPU (bench/bench_enron.py says which and why). Re-running resumes.
+# Real mail: build the real-mail sample (29,997 Enron emails and the 530 questions of data/enron-questions: build-db
+# --enron-sample), warm-start then GRPO an agent on its train questions, evaluate base, warm start, final and the base
+# prompted on held-out test questions (report in eval/enron/seed-N/report). ENRON=DIR is where the sample comes from: a
+# local copy of it (emails.jsonl.gz), the CMU release's maildir/ or Hugging Face's parquet files; ENRON= (empty, where
+# ../shared/data/enron is not) downloads it from Hugging Face. Every way gives the same emails, checked against
+# data/enron-sample's manifest. The model is chosen by the CPU (bench/bench_enron.py says which and why). Re-running
+# resumes.
 ENRON ?= $(wildcard ../shared/data/enron)
 enron: setup setup-qwen
 	$(PY) bench/bench_enron.py --enron '$(ENRON)' --seeds $(SEED)

@@ -29,7 +29,7 @@ from dataclasses import asdict
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
 from email_agent.apps import ask, export, serve
-from email_agent.data import build, generate
+from email_agent.data import build, enron_sample, generate
 from email_agent import cli, runs
 from email_agent.serving import players
 from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir
@@ -40,6 +40,8 @@ from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, check_day, vi
 # ---- build-db ------------------------------------------------------------------------------------
 
 def build_db(args) -> None:
+    if args.enron_sample:
+        return build_enron_sample(args)
     db_path = args.db or (DEMO_DB if args.demo else DEFAULT_DB)
     if args.demo and (args.emails or args.questions):
         raise UserError("--demo builds the bundled demo inbox; it takes no --emails or --questions")
@@ -58,6 +60,23 @@ def build_db(args) -> None:
     summary = build.build_database(emails, question_rows, db_path, source=source, total=total, progress=not args.quiet)
     print("\n".join(summary.lines()))
     with contextlib.closing(EmailDB(db_path)) as db:  # what --inbox may name, largest first
+        largest = ", ".join(f"{address} ({count:,})" for address, count in db.largest_inboxes(5))
+    print(f"inboxes     {largest}; all: python train_email_search_agent.py inboxes --db {db_path}")
+
+
+def build_enron_sample(args) -> None:
+    """The real-mail sample, picked out of --emails or Hugging Face by its manifest and checked against it."""
+    if args.demo:
+        raise UserError("--demo and --enron-sample build two different databases; give one of them")
+    db_path = args.db or enron_sample.SAMPLE_DB
+    build.check_target(db_path, [args.emails, args.questions], brings_questions=True, overwrite=args.overwrite)
+    print(f"picking the sample out of {args.emails or 'hf:' + enron_sample.HUB_NAME}", file=sys.stderr)
+    emails, question_rows, source, check = enron_sample.open_sample(args.emails, args.questions)
+    print(f"building {db_path} from the sample in {source}", file=sys.stderr)
+    summary = build.build_database(emails, question_rows, db_path, source=f"the real-mail sample, from {source}",
+                                   total=len(emails), progress=not args.quiet, meta=check.meta())
+    print("\n".join([*summary.lines(), check.line()]))
+    with contextlib.closing(EmailDB(db_path)) as db:
         largest = ", ".join(f"{address} ({count:,})" for address, count in db.largest_inboxes(5))
     print(f"inboxes     {largest}; all: python train_email_search_agent.py inboxes --db {db_path}")
 

@@ -3,17 +3,20 @@
     python bench/bench_enron.py                       # the recipe, seed 0 (make enron runs this)
     python bench/bench_enron.py --seeds 0 1           # two seeds, and the tests pooled over them
     python bench/bench_enron.py --quick               # each phase on a few episodes: checks the pipeline (CI)
-    python bench/bench_enron.py --enron ''            # the corpus and ART·E's questions from Hugging Face
+    python bench/bench_enron.py --enron ''            # the sample picked out of Hugging Face's corbt/enron-emails
+    python bench/bench_enron.py --enron ~/enron_mail_20150507/maildir   # ... out of the CMU release
 
-Runs the tool's own commands, as a user would: build-db (a local copy of the Enron sample, --enron DIR, with
-the real-mail question set data/enron-questions; or, with --enron '', the corpus and ART·E's questions from
-Hugging Face); a warm start on the scripted expert's episodes of the *train* questions (`train --sft-only
---sft-from expert`); GRPO, the same run resumed; one evaluation of the base model, the warm start, the final
-checkpoint, the base model prompted with tool_choice=required, and make demo's trained agent when one is in
---demo-art-dir, on held-out *test* questions, with the HTML report. The three commands share one vLLM server
-per seed (EMAIL_AGENT_VLLM_URL), started here: each would start its own. Then the table, the expert's ceiling in this
-episode shape, exact McNemar tests (right answers) and sign tests (score: right +1, hallucinated -1) of the final
-agent against the base and the warm start, pooled over the seeds when there are several, and each phase's time.
+Runs the tool's own commands, as a user would: build-db --enron-sample (the real-mail sample, 29,997 Enron emails,
+with its question set data/enron-questions, from a local copy of it, --enron DIR holding emails.jsonl.gz; from the
+CMU release's maildir/ or the Hub's parquet files, --enron PATH; or, with --enron '', downloaded from Hugging Face:
+the same emails every way, checked against data/enron-sample's manifest); a warm start on the scripted expert's
+episodes of the *train* questions (`train --sft-only --sft-from expert`); GRPO, the same run resumed; one evaluation
+of the base model, the warm start, the final checkpoint, the base model prompted with tool_choice=required, and make
+demo's trained agent when one is in --demo-art-dir, on held-out *test* questions, with the HTML report. The three
+commands share one vLLM server per seed (EMAIL_AGENT_VLLM_URL), started here: each would start its own. Then the
+table, the expert's ceiling in this episode shape, exact McNemar tests (right answers) and sign tests (score: right
++1, hallucinated -1) of the final agent against the base and the warm start, pooled over the seeds when there are
+several, and each phase's time.
 
 The recipe is chosen by the CPU, and said at the start: Qwen2.5-0.5B (make setup-qwen) where the CPU multiplies
 bfloat16 natively (AMX or AVX512-BF16); elsewhere Qwen's warm start runs about 9x slower and its rollouts 15-20x
@@ -90,14 +93,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=ROOT / "eval" / "enron", help="output folder")
     parser.add_argument("--enron", default=str(LOCAL_ENRON) if LOCAL_ENRON.is_dir() else "",
-                        help="a local copy of the Enron sample (a folder with emails.jsonl.gz), questions from "
-                             "data/enron-questions; '' builds from Hugging Face (default: ../shared/data/enron "
-                             "when it exists)")
+                        help="where the real-mail sample comes from: a local copy of it (a folder with "
+                             "emails.jsonl.gz), the CMU release's maildir/, or Hugging Face's corbt/enron-emails "
+                             "parquet files; '' downloads it from Hugging Face (default: ../shared/data/enron when it "
+                             "exists)")
     parser.add_argument("--questions", type=Path, default=QUESTIONS, help="the question set beside --enron")
     parser.add_argument("--base-model", default="", help=f"default: {QWEN} with native bfloat16, else {SMOLLM2}")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="training seeds, one run each")
-    parser.add_argument("--train-limit", type=int, default=None,
-                        help="train questions (default: all of a local set; 400 of ART·E's ~44k from the Hub)")
+    parser.add_argument("--train-limit", type=int, default=0, help="train questions (default 0: all)")
     parser.add_argument("--demo-art-dir", type=Path, default=ROOT / ".art",
                         help="where make demo's run `demo` is: evaluated beside the others when it is there")
     parser.add_argument("--no-prompted", action="store_true", help="leave out the base model prompted with "
@@ -113,8 +116,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.base_model = args.base_model or choose_base_model()
-    if args.train_limit is None:
-        args.train_limit = 0 if args.enron else 400
     return args
 
 
@@ -134,18 +135,20 @@ def choose_base_model() -> str:
 
 
 def build(args, db: Path) -> float:
-    """build-db once per --work (it is kept; delete it to build again)."""
+    """build-db --enron-sample once per --work (it is kept; delete it to build again)."""
     if db.exists():
         print(f"--- build: {db} exists, kept")
         return 0.0
-    if not args.enron:
-        return run("build (Hugging Face)", "train_email_search_agent.py", "build-db", "--db", str(db), "--quiet")
-    emails = Path(args.enron).expanduser() / "emails.jsonl.gz"
-    if not emails.is_file():
-        raise SystemExit(f"--enron {args.enron}: no emails.jsonl.gz there (the Enron sample); give the folder "
-                         f"that holds it, or --enron '' to build from Hugging Face")
-    return run("build", "train_email_search_agent.py", "build-db", "--emails", str(emails), "--questions",
-               str(args.questions), "--db", str(db), "--quiet")
+    source = Path(args.enron).expanduser() if args.enron else None
+    if source is not None and not source.exists():
+        raise SystemExit(f"--enron {args.enron}: no emails.jsonl.gz there (the Enron sample), nor anything else: "
+                         f"give the folder that holds it, the CMU release's maildir/, the Hub's parquet files, or "
+                         f"--enron '' to download the sample from Hugging Face")
+    if source is not None and (source / "emails.jsonl.gz").is_file():
+        source = source / "emails.jsonl.gz"  # a local copy of the sample
+    return run("build", "train_email_search_agent.py", "build-db", "--enron-sample",
+               *(["--emails", str(source)] if source else []), "--questions", str(args.questions), "--db", str(db),
+               "--quiet")
 
 
 def shape(args) -> list[str]:

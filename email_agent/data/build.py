@@ -119,13 +119,15 @@ def check_target(db_path: str | os.PathLike, sources: Iterable[str | None], brin
 
 
 def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: str | os.PathLike, *,
-                   source: str, total: int | None = None, progress: bool = True) -> BuildSummary:
-    """Build the database at db_path from raw email records and raw question records.
+                   source: str, total: int | None = None, progress: bool = True,
+                   meta: dict[str, str] | None = None) -> BuildSummary:
+    """Build the database at db_path from raw email records and raw question records (`meta`: more keys for its
+    meta table, such as which real-mail sample it holds).
 
     The build writes a temporary file beside db_path and renames it into place only when complete, so an
     interrupted or failed build never leaves a partial database (an existing one stays untouched): any
-    exception, KeyboardInterrupt included, removes the temporary file. (The CLI turns SIGTERM into
-    KeyboardInterrupt; a SIGKILL's leftover is swept by the next build.)
+    exception, KeyboardInterrupt included, removes the temporary file, and a disk that fills up is one sentence.
+    (The CLI turns SIGTERM into KeyboardInterrupt; a SIGKILL's leftover is swept by the next build.)
     """
 
     db_path = Path(db_path)
@@ -143,7 +145,15 @@ def build_database(emails: Iterable[dict], questions: Iterable[dict], db_path: s
     started = time.perf_counter()
     try:
         try:
-            _fill(conn, emails, questions, summary, source, total, progress)
+            _fill(conn, emails, questions, summary, source, total, progress, meta or {})
+        except sqlite3.OperationalError as exc:
+            if "disk is full" not in str(exc):  # SQLITE_FULL: the disk (or a quota) ran out mid-build
+                raise
+            written = tmp_path.stat().st_size / 1e6 if tmp_path.exists() else 0
+            kept = "the database already there is untouched" if db_path.exists() else "no database was written"
+            raise UserError(f"The disk filled up while building {db_path} ({exc}, after {written:,.0f} MB): {kept} and "
+                            f"the partial file is deleted; free some space, or build into a --db on another disk") \
+                from None
         finally:
             conn.close()
         os.replace(tmp_path, db_path)
@@ -164,7 +174,7 @@ def _process_alive(pid: str) -> bool:
     return True
 
 
-def _fill(conn, emails, questions, summary, source, total, progress):
+def _fill(conn, emails, questions, summary, source, total, progress, extra_meta):
     """The build, in a private file: the emails and who is in each inbox, the indexes, the questions, the meta."""
     # The file is private until renamed into place, so durability during the build buys nothing.
     conn.executescript("PRAGMA journal_mode=OFF; PRAGMA synchronous=OFF; PRAGMA cache_size=-200000;")
@@ -194,7 +204,7 @@ def _fill(conn, emails, questions, summary, source, total, progress):
     summary.first_date, summary.last_date = conn.execute("SELECT MIN(date), MAX(date) FROM emails").fetchone()
     meta = {"source": source, "built_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "emails": str(summary.emails), "duplicates": str(summary.duplicates),
-            "skipped": json.dumps(summary.skipped), "schema_version": "2"}
+            "skipped": json.dumps(summary.skipped), "schema_version": "2", **extra_meta}
     conn.executemany("INSERT INTO meta VALUES (?,?)", sorted(meta.items()))
     conn.execute("COMMIT")
     conn.execute("ANALYZE")
@@ -280,11 +290,17 @@ def _load_questions(conn, questions, seen: set[str], summary) -> None:
 def add_arguments(p, default_db: str, demo_db: str) -> None:
     """The build-db subcommand's flags."""
     p.add_argument("--demo", action="store_true", help="the bundled, offline demo inbox (db: data/demo.db)")
+    p.add_argument("--enron-sample", action="store_true",
+                   help="the real-mail sample (29,997 Enron emails, data/enron-sample) with its 530 questions "
+                        "(data/enron-questions), picked from --emails (the CMU release's maildir/, or Hugging Face's "
+                        "parquet files) or downloaded from Hugging Face")
     p.add_argument("--emails", metavar="PATH", help="local corpus: .jsonl(.gz), .parquet, a maildir folder "
                                                    "or an mbox file (default: Hugging Face corbt/enron-emails)")
     p.add_argument("--questions", metavar="PATH", help="local questions: .jsonl(.gz) or .parquet with the ART·E schema "
-                                                      "(default: Hugging Face corbt/enron_emails_sample_questions)")
-    p.add_argument("--db", metavar="PATH", help=f"output database (default {default_db}; with --demo {demo_db})")
+                                                      "(default: Hugging Face corbt/enron_emails_sample_questions; "
+                                                      "with --enron-sample data/enron-questions/questions.jsonl)")
+    p.add_argument("--db", metavar="PATH", help=f"output database (default {default_db}; with --demo {demo_db}; with "
+                                                f"--enron-sample data/enron_sample.db)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --db even though its questions are lost (this build brings none), or "
                         "though another program wrote it")
