@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 GPU_VENV ?= .venv-gpu
 GPU_PY   := $(GPU_VENV)/bin/python
 
-.PHONY: setup setup-qwen setup-verifiers demo enron test rehearse-qwen bench mutants setup-gpu gpu-smoke
+.PHONY: setup setup-qwen setup-verifiers demo dashboard enron test rehearse-qwen bench mutants setup-gpu gpu-smoke
 
 VLLM_VENV ?= .venv-vllm
 
@@ -53,6 +53,12 @@ demo: setup  # the main job serves with vLLM (.venv-vllm)
 	$(PY) train_email_search_agent.py build-db --demo
 	$(PY) train_email_search_agent.py train --demo --seed $(SEED) --name $(DEMO)
 	$(PY) test_email_search_agent.py --demo --model base --model $(DEMO)@1 --model $(DEMO) --limit 50 --grounded-answers --concurrency 48 --output eval/$(DEMO)
+
+# Every run's training curves in TensorBoard at http://127.0.0.1:6006, live while a run trains (in another terminal:
+# `train` writes them into each run's folder); DASHBOARD_PORT=N for another port. docs/training.md, "Live curves".
+DASHBOARD_PORT ?= 6006
+dashboard: $(VENV)/.installed
+	$(PY) train_email_search_agent.py dashboard --port $(DASHBOARD_PORT)
 
 # Real mail: build the real-mail sample (29,997 Enron emails and the 530 questions of data/enron-questions: build-db
 # --enron-sample), warm-start then GRPO an agent on its train questions, evaluate base, warm start, final and the base

@@ -8,6 +8,7 @@
     python train_email_search_agent.py generate-questions --db my.db --model openai/gpt-4.1   # questions for your inbox
     python train_email_search_agent.py train --demo             # GRPO on the demo inbox, CPU, offline
     python train_email_search_agent.py train --name qwen7b      # GRPO on Enron; GPU (ART LocalBackend) if present
+    python train_email_search_agent.py dashboard                # every run's curves in TensorBoard, as they train
     python train_email_search_agent.py ask "QUESTION" --inbox ADDRESS   # one question to the latest trained agent
     python train_email_search_agent.py serve --inbox ADDRESS     # the agent as an MCP server for assistants
     python train_email_search_agent.py export --model demo --format gguf --output export/demo   # for llama.cpp
@@ -25,15 +26,17 @@ import contextlib
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 
 import email_agent  # noqa: F401  (sets offline-friendly environment defaults before litellm/ART load)
 from email_agent.apps import ask, export, serve
 from email_agent.data import build, enron_sample, generate
-from email_agent import cli, runs
+from email_agent import cli, dashboard, runs
 from email_agent.serving import players
 from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir
 from email_agent.errors import UserError
+from email_agent.runs import ART_DIR, PROJECT
 from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, check_day, visible_until
 
 
@@ -191,6 +194,19 @@ def export_command(args) -> None:
     print(f"wrote {folder} (how to load and prompt it: {folder / 'README.md'})")
 
 
+# ---- dashboard: every run's curves in TensorBoard, on this machine ----------------------------------
+
+def dashboard_command(args) -> None:
+    logdir = runs.run_path(args.art_dir, args.project, "")
+    url = dashboard.serve(logdir, args.port)
+    shown = dashboard.runs_shown(logdir)
+    print(f"TensorBoard at {url} with the curves of " + (f"{len(shown)} run(s) in {logdir} ({', '.join(shown)})"
+          if shown else f"the runs in {logdir}: none has curves yet; they appear as a run trains") +
+          "; Ctrl-C closes it", flush=True)
+    while True:  # TensorBoard serves from a thread of its own
+        time.sleep(3600)
+
+
 # ---- train: the flags checked once, the run locked, then the loop (email_agent/training/loop.py) ----
 
 def train_command(args) -> None:
@@ -279,7 +295,7 @@ def add_inbox_commands(sub, console: argparse.ArgumentParser) -> None:
 
 
 def add_agent_commands(sub, console: argparse.ArgumentParser) -> None:
-    """ask, serve, export, train: the agent trained and put to use."""
+    """ask, serve, export, train, dashboard: the agent trained and put to use."""
     p = command(sub, "ask", ask_command, [console], help="ask a trained agent a question about an inbox",
                 description="One question to a trained agent (or any model), played by the rollout of training "
                             "and evaluation, each tool call shown as it happens; nothing is graded. Example: "
@@ -310,12 +326,23 @@ def add_agent_commands(sub, console: argparse.ArgumentParser) -> None:
                             "Example: python train_email_search_agent.py train --demo")
     cli.add_dataclass_flags(p, TrainConfig)  # one flag per field; its comment is the help text
 
+    p = command(sub, "dashboard", dashboard_command, [console],
+                help="open the training curves of every run in TensorBoard (127.0.0.1 only)",
+                description="TensorBoard on this machine with the curves `train` writes into each run's folder "
+                            "as it trains: reward, accuracy, hallucination, \"I don't know\", valid calls, "
+                            "trainable share, loss, validation beside training; one line per run. Example: "
+                            "python train_email_search_agent.py dashboard --port 6006")
+    p.add_argument("--art-dir", default=ART_DIR, help=f"where runs live (default {ART_DIR})")
+    p.add_argument("--project", default=PROJECT, help=f"whose runs to show (default {PROJECT})")
+    p.add_argument("--port", type=int, default=dashboard.PORT, help=f"its port on 127.0.0.1 (default {dashboard.PORT})")
+
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     cli.console(args.quiet, args.verbose)
     resume = {"train": "; re-run the same command to resume from the last checkpoint",
-              "generate-questions": "; nothing was stored: re-run to go on (answered batches are cached)"}
+              "generate-questions": "; nothing was stored: re-run to go on (answered batches are cached)",
+              "dashboard": ": the dashboard is closed (runs go on writing their curves)"}
     return cli.run_command(lambda: args.func(args), argv, interrupted="interrupted" + resume.get(args.command, ""),
                            run_folder=lambda: run_dir(config_from_args(args)) if args.command == "train" else None)
 

@@ -85,6 +85,7 @@ class TrainConfig:
     concurrency: int = 32  # simultaneous rollouts
     cpu_train_threads: int = 0  # torch threads for CPU training (0: the cores it may use; 1 if jobs share them)
     wandb: bool = False  # log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)
+    tensorboard: bool = True  # every step's metrics as TensorBoard curves in the run folder (open: `dashboard`)
 
 
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores. Each value
@@ -222,6 +223,11 @@ def opening_lines(cfg: TrainConfig, backend: str, train: int, unanswerable: int,
     replays = f" (+{unanswerable} asked before their answer arrived)" if unanswerable else ""
     warm = (f"{cfg.sft_from}, {cfg.sft_epochs} epoch(s) at learning rate {cfg.sft_learning_rate:g}" if cfg.sft_from
             else "none") + (" (done earlier in this run)" if warm_start_done else "")
+    opener = "python train_email_search_agent.py dashboard" + (
+        f" --art-dir {cfg.art_dir}" if cfg.art_dir != ART_DIR else "") + (
+        f" --project {cfg.project}" if cfg.project != PROJECT else "")
+    board = (f"TensorBoard curves in {run_dir(cfg) / 'tensorboard'} as it trains; open them: {opener}"
+             if cfg.tensorboard else "off (--no-tensorboard); every step is in history.jsonl")
     return [f"run          {cfg.name} in {run_dir(cfg)} (all settings: run_config.json there)",
             f"backend      {backend}: {cfg.base_model}, LoRA rank {cfg.lora_rank}",
             f"data         {cfg.db}: {train} train{replays} / {val} validation questions (the test split unused)",
@@ -232,4 +238,5 @@ def opening_lines(cfg: TrainConfig, backend: str, train: int, unanswerable: int,
             f"GRPO         {steps} steps of {cfg.groups_per_step} questions x {cfg.rollouts_per_group} rollouts at "
             f"learning rate {cfg.learning_rate:g}; validation every {cfg.eval_every} steps",
             f"reward       {reward}",
+            f"dashboard    {board}",
             "stop         Ctrl-C; the same command resumes from the last checkpoint"]

@@ -77,8 +77,8 @@ def test_pinned_reads_exact_pins_only(tmp_path):
 
 
 def test_the_gpu_venv_runs_every_command(resolution):
-    """`serve` (mcp), `export` and the evaluation run from the GPU venv too: what they import arrives there, at the
-    CPU install's pins."""
+    """`serve` (mcp), `export`, the evaluation and `dashboard` (tensorboard) run from the GPU venv too: what they
+    import arrives there, at the CPU install's pins."""
     cpu = pinned(ROOT / "requirements.txt")
-    for name in ("mcp", "openpipe-art", "tqdm", "tenacity"):
+    for name in ("mcp", "openpipe-art", "tqdm", "tenacity", "tensorboard"):
         assert resolution.get(name) == cpu[name], name

@@ -25,6 +25,7 @@ from email_agent.training import loop, warm_start
 from email_agent.backends.vllm_server import URL_ENV
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
 from scripted_server import call, expert_script
+from test_dashboard import curves_in_history, curves_in_tensorboard
 
 import test_email_search_agent as evaluate_cli
 import train_email_search_agent as cli
@@ -64,6 +65,11 @@ def test_cpu_end_to_end_train_resume_evaluate(demo_db_path, tmp_path):
     assert config["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["backend"] == "cpu"
     assert "trainable groups" in first.stdout and re.search(r"^step\s+2\b.*trained on \d+% of groups",
                                                             first.stdout, re.M)  # the first step's verdict
+    # the local dashboard holds every metric of every step in history.jsonl, validation beside training
+    curves = curves_in_tensorboard(run)
+    assert curves == curves_in_history(run)
+    assert [step for step, _ in curves[("train", "reward")]] == [2] and ("val", "answer_correct") in curves
+    assert {step for step, _ in curves[("val", "reward")]} == {1, 2}  # after the warm start, at the end
 
     # a preflight of the warm-started run trains, logs and checkpoints nothing: the resume below is unchanged
     history_before = (run / "history.jsonl").read_text()
@@ -85,6 +91,8 @@ def test_cpu_end_to_end_train_resume_evaluate(demo_db_path, tmp_path):
     assert "warm start: " not in second.stderr  # done once, remembered in the run's state
     assert "warm start   demo-expert, 1 epoch(s) at learning rate 0.001 (done earlier in this run)" in second.stderr
     assert re.search(r"^step\s+3\b", second.stdout, re.M)  # continued at step 3
+    curves = curves_in_tensorboard(run)  # the resumed run's curve goes on, no step shown twice
+    assert curves == curves_in_history(run) and [step for step, _ in curves[("train", "reward")]] == [2, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir())[-1] == "0003"
 
     evaluation = subprocess.run(
@@ -264,6 +272,7 @@ def test_local_backend_wiring(demo_db, demo_db_path, qwen_style_model_dir, tmp_p
     assert all(row["train/trained_token_share"] == 1.0 and row["train/trainable_group_share"] == 1.0 for row in steps)
     assert re.search(r"^step\s+1 .* loss \+0\.2500 +trained on 100% of groups, 100% of tokens", out.out, re.M)
     assert any(row.get("val/answer_correct") == 1.0 for row in history)
+    assert curves_in_tensorboard(run_dir) == curves_in_history(run_dir)  # the dashboard, as on the CPU path
     # The validation bar, like the training bar, shows a few running metrics, not the whole rubric.
     bars = [seg for seg in re.split(r"[\r\n]", out.err) if seg.startswith(("validate", "step "))]
     assert any(seg.startswith("validate") and "reward=" in seg for seg in bars)
@@ -416,6 +425,25 @@ def test_no_wandb_run_without_the_flag_even_with_a_key(demo_db, demo_db_path, qw
                                         groups_per_step=1, rollouts_per_group=2, max_steps=1, eval_every=5,
                                         wandb=True, base_model=str(qwen_style_model_dir))
     assert wandb_runs and set(wandb_runs) == {"yw"}  # with --wandb, ART's own W&B run, as before
+    both = tmp_path / "email-agent" / "models" / "yw"  # and the local dashboard beside it
+    assert curves_in_tensorboard(both) == curves_in_history(both) and ("train", "reward") in curves_in_history(both)
+
+
+def test_a_dashboard_folder_that_cannot_be_written_leaves_training_going_and_says_so_once(
+        demo_db, demo_db_path, qwen_style_model_dir, tmp_path, monkeypatch, capsys):
+    from email_agent.data import questions
+
+    qs = questions.select_questions(demo_db, "train", seed=0)[:3]
+    run = tmp_path / "email-agent" / "models" / "nb"
+    run.mkdir(parents=True)
+    (run / "tensorboard").write_text("a file where the dashboard's folder goes")
+    train_on_scripts({q.question: expert_script(q) for q in qs}, monkeypatch, name="nb", art_dir=str(tmp_path),
+                     db=str(demo_db_path), val_size=1, train_limit=2, groups_per_step=1, rollouts_per_group=2,
+                     max_steps=2, eval_every=1, base_model=str(qwen_style_model_dir))
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in history if "train/reward" in row] == [1, 2]  # both steps trained and logged
+    err = capsys.readouterr().err
+    assert err.count("dashboard: off for this run") == 1 and f"{run / 'tensorboard'} cannot be written" in err
 
 
 def test_wandb_without_the_package_is_a_clear_error(demo_db_path, tmp_path, monkeypatch, capsys):
@@ -744,7 +772,7 @@ def test_an_art_dir_that_cannot_hold_runs_and_a_mistyped_demo_db_are_errors(demo
     assert "typo.db" in capsys.readouterr().err and not (tmp_path / "typo.db").exists()
 
 
-@pytest.mark.parametrize("command", ["build-db", "generate-questions", "search", "read", "ask", "train"])
+@pytest.mark.parametrize("command", ["build-db", "generate-questions", "search", "read", "ask", "train", "dashboard"])
 def test_every_command_prints_its_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.make_parser().parse_args([command, "--help"])

@@ -10,7 +10,7 @@
                                  (judge_outages; nothing to do with offline grading or a judge that answers)
         first step only          can GRPO learn from these groups? (step_health)
         train                    the update, on the tokens as served (training_data.for_grpo, backend.train)
-        log                      model.log, the step line, warnings
+        log                      model.log (history.jsonl, mirrored to TensorBoard), the step line, warnings
         validate                 every --eval-every steps and at the end; then the checkpoints kept
 
 It owns the order of a run's calls, not what they do: rollouts are `agent.rollout`'s, rewards `agent.rewards`',
@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import art
 
-from email_agent import backends, cli, runs
+from email_agent import backends, cli, dashboard, runs
 from email_agent.agent import grading, rewards
 from email_agent.agent.rollout import Policy
 from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines, run_dir, saved_config
@@ -46,6 +46,8 @@ async def train(cfg: TrainConfig) -> None:
     runs.start(run_dir(cfg), saved_config(cfg, plan.backend.name), fresh=cfg.fresh, preflight=cfg.preflight)
     model = trainable_model(plan)
     print("\n".join(opening_summary(plan)), file=sys.stderr)
+    # every row ART logs from here on (warm start, steps, validations; any backend) reaches TensorBoard as it lands
+    mirror = dashboard.Mirror(run_dir(cfg)).start() if cfg.tensorboard and not cfg.preflight else None
     try:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_concurrency=cfg.concurrency)
@@ -67,6 +69,8 @@ async def train(cfg: TrainConfig) -> None:
             await grpo(plan, model, backend, policy, batches, sft_steps, tokenizer, arguments)
     finally:
         await backend.close()
+        if mirror is not None:
+            mirror.close()
         if cfg.preflight and new_run:  # registering wrote a first checkpoint; a preflight leaves no run behind
             shutil.rmtree(run_dir(cfg), ignore_errors=True)
 
