@@ -80,10 +80,11 @@ $(VENV)/.installed-qwen: $(VENV)/.installed requirements-qwen.txt
 
 # verifiers 0.4.0 (`vf-eval`) and the inbox task as its taskset (environments/email_inbox; docs/verifiers.md), in a
 # venv of its own: verifiers pins mcp 2.0.0 and openai<3, newer in .venv. The project's package and the taskset go in
-# editable and without dependencies: the taskset imports email_agent's prompt, tools and grading.
+# editable and without dependencies: the taskset imports email_agent's prompt, tools and grading. `make test` makes
+# it too (86 s here): tests/test_verifiers_taskset.py scores episodes with the taskset in it.
 VERIFIERS_VENV ?= .venv-verifiers
 setup-verifiers: $(VERIFIERS_VENV)/.installed
-$(VERIFIERS_VENV)/.installed: requirements-verifiers.txt pyproject.toml environments/email_inbox/pyproject.toml
+$(VERIFIERS_VENV)/.installed: requirements-verifiers.txt environments/email_inbox/pyproject.toml
 	$(PYTHON) -m venv $(VERIFIERS_VENV)
 	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VERIFIERS_VENV)/bin/python -m pip install --quiet --no-compile -r requirements-verifiers.txt
@@ -94,7 +95,7 @@ $(VERIFIERS_VENV)/.installed: requirements-verifiers.txt pyproject.toml environm
 # other, which two processes overlap on two cores; each process starts its own vLLM for the slow tests (conftest.py).
 # The Qwen2.5 rehearsal runs after them, alone: its ~10 GB beside the other process's models left a vLLM too little
 # memory for its KV cache on a 24 GB machine (bench/RESULTS.md, "The test suite's time").
-test: setup setup-qwen
+test: setup setup-qwen setup-verifiers
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -n 2 --dist worksteal --ignore tests/test_qwen_rehearsal.py
 	$(PY) -m pytest tests/test_qwen_rehearsal.py
