@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from conftest import ROOT
@@ -158,10 +159,13 @@ def test_the_dashboard_command_serves_every_run_on_loopback_and_says_where(tmp_p
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/scalars/tags", timeout=10) as reply:
                 tags = json.load(reply)
         assert "reward" in tags["demo/tensorboard/train"] and "reward" in tags["demo/tensorboard/val"]
+        helpers = psutil.Process(board.pid).children(recursive=True)  # TensorBoard's data server
     finally:
         board.terminate()  # as Ctrl-C
         _, err = board.communicate(timeout=30)
     assert board.returncode == 130 and "the dashboard is closed" in err
+    gone, alive = psutil.wait_procs(helpers, timeout=15)
+    assert helpers and not alive, alive  # nothing of it outlives the command
 
 
 def test_a_port_taken_is_one_sentence(tmp_path, capsys):
