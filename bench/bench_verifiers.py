@@ -96,10 +96,11 @@ async def bench(args) -> int:
                           "--env.taskset.task.grounded-answers", "true",
                           "--no-push", "--no-rich", "--clean", "-o", str(out), "--run.dir", "verifiers"]
         minutes = {}
+        # verifiers first: the evaluation, on a server of EMAIL_AGENT_VLLM_URL, unloads the LoRA it loaded when it ends
         for harness, argv, env in (
-                ("project", project_argv, {"EMAIL_AGENT_VLLM_URL": url}),
                 ("verifiers", verifiers_argv, {"PATH": f"{Path(args.venv) / 'bin'}{os.pathsep}{os.environ['PATH']}",
-                                               "EMAIL_AGENT_VLLM_KEY": "local"})):
+                                               "EMAIL_AGENT_VLLM_KEY": "local"}),
+                ("project", project_argv, {"EMAIL_AGENT_VLLM_URL": url})):
             print(f"$ {' '.join(argv)}", flush=True)
             started = time.monotonic()
             with open(out / f"{harness}.log", "w") as log:

@@ -10,6 +10,7 @@ project does. `bench/bench_verifiers.py` plays the same taskset through vf-eval 
 import asyncio
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ from scripted_server import ScriptedServer, call, expert_script
 
 ROOT = Path(__file__).resolve().parent.parent
 VF_PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not VF_PYTHON.exists(), reason="no .venv-verifiers: `make setup-verifiers` makes it")
+needs_verifiers = pytest.mark.skipif(not VF_PYTHON.exists(),
+                                     reason="no .venv-verifiers: `make setup-verifiers` makes it")
 
 SHAPE = dict(max_turns=4, max_body_chars=600, search_results=3)  # the demo run's
 RUBRIC = ("answer_correct", "hallucinated", "returned_i_dont_know", "attempted_answer", "sources_correct",
@@ -92,6 +94,7 @@ def played(demo_db, demo_db_path):
     return qs, trajs, tool_calls, in_verifiers(request)
 
 
+@needs_verifiers
 def test_the_taskset_scores_each_episode_as_the_projects_rollout_did(played):
     qs, trajs, _, out = played
     assert len(out["scored"]) == 6
@@ -111,6 +114,7 @@ def test_the_taskset_scores_each_episode_as_the_projects_rollout_did(played):
     assert out["scored"][5]["answered_at"] == [False] * 4
 
 
+@needs_verifiers
 def test_tasks_are_the_evaluations_questions_with_the_projects_prompt(played, demo_db):
     _, _, _, out = played
     expected = qmod.select_questions(demo_db, "test", seed=0)
@@ -121,6 +125,7 @@ def test_tasks_are_the_evaluations_questions_with_the_projects_prompt(played, de
         assert out["prompts"][str(q.id)] == [system, user]
 
 
+@needs_verifiers
 def test_the_tool_server_offers_and_runs_the_projects_tools_in_the_questions_inbox_only(played, demo_db):
     qs, _, tool_calls, out = played
     q = qs[0]
@@ -136,12 +141,14 @@ def test_the_tool_server_offers_and_runs_the_projects_tools_in_the_questions_inb
     assert "has no argument 'folder'" in out["tool_results"][3]["content"][0]
 
 
+@needs_verifiers
 def test_calls_the_harness_would_answer_itself_get_the_projects_words(played, demo_db):
     _, _, _, out = played
     assert out["rewritten"] == ["results", EXTRA_TOOL_CALL, call_tool(None, "send_email", "{}").content,
                                 call_tool(None, "search_inbox", "{bad").content]
 
 
+@needs_verifiers
 def test_vf_eval_says_in_one_sentence_when_a_split_has_no_questions(demo_db_path):
     done = subprocess.run([str(VF_PYTHON.parent / "vf-eval"), "email-inbox", "--env.taskset.db", str(demo_db_path),
                            "--env.taskset.split", "validation", "-m", "m", "--client.base-url",
@@ -151,3 +158,11 @@ def test_vf_eval_says_in_one_sentence_when_a_split_has_no_questions(demo_db_path
     assert done.returncode == 1
     assert "has no 'validation' questions; its splits are test, train" in said
     assert "Traceback" not in said
+
+
+def test_the_bench_names_the_command_that_makes_a_missing_verifiers_venv(tmp_path):
+    missing = tmp_path / "none"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_verifiers.py"), "--venv", str(missing)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"error: no verifiers venv at {missing}: make it with `make setup-verifiers`"
