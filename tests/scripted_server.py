@@ -110,11 +110,33 @@ class ScriptedServer:
             # "sampled": the text the model wrote, when it is not what the parsed reply renders back to
             written = reply.get("sampled") or hermes_text(calls, reply.get("text"))
             logprobs, usage = self._sample(body, question, written)
+        if body.get("stream"):
+            return await self._stream(request, body, message, usage)
         return web.json_response({
             "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                          "finish_reason": "tool_calls" if tool_calls else "stop"}],
             "usage": usage})
+
+    async def _stream(self, request: web.Request, body: dict, message: dict, usage: dict) -> web.StreamResponse:
+        """The reply as server-sent events, as a server streams it (verifiers' chat program asks for a stream): the
+        whole message in one delta, the finish reason, the usage, then [DONE]."""
+        delta = {"role": "assistant", "content": message["content"]}
+        if message["tool_calls"]:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        head = {"id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion.chunk", "created": 0,
+                "model": body["model"]}
+        events = [{**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                  {**head, "choices": [{"index": 0, "delta": {},
+                                        "finish_reason": "tool_calls" if message["tool_calls"] else "stop"}]},
+                  {**head, "choices": [], "usage": usage}]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     def _sample(self, body: dict, question: str, text: str) -> tuple[dict, dict]:
         messages, tools = as_vllm_renders(body["messages"], body.get("tools"))

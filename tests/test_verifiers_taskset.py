@@ -9,6 +9,7 @@ project does. `bench/bench_verifiers.py` plays the same taskset through vf-eval 
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, first_messages, rollout
 from email_agent.agent.tools import EXTRA_TOOL_CALL, TOOLS, Inbox, call_tool
 from email_agent.data import questions as qmod
-from scripted_server import ScriptedServer, call, expert_script
+from scripted_server import ScriptedServer, call, expert_script, serve_in_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 VF_PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
@@ -146,6 +147,31 @@ def test_calls_the_harness_would_answer_itself_get_the_projects_words(played, de
     _, _, _, out = played
     assert out["rewritten"] == ["results", EXTRA_TOOL_CALL, call_tool(None, "send_email", "{}").content,
                                 call_tool(None, "search_inbox", "{bad").content]
+
+
+@needs_verifiers
+def test_vf_eval_plays_the_scripted_episodes_as_the_projects_rollout_did(played, demo_db_path, tmp_path):
+    """verifiers' own CLI end to end: its null harness (which streams), its interception, this taskset's tool
+    servers over MCP, its stops, hook and scoring, against a policy scripted as the rollout's was: the same
+    rewards and rubric, episode for episode."""
+    qs, trajs, _, _ = played
+    with serve_in_thread(scripts_for(qs)) as server:
+        done = subprocess.run(
+            [str(VF_PYTHON.parent / "vf-eval"), "email-inbox", "-m", "scripted", "--client.base-url", server.base_url,
+             "--client.api-key-var", "SCRIPTED_KEY", "-n", "6", "-c", "6", "--env.taskset.db", str(demo_db_path),
+             *[f"--env.taskset.{k.replace('_', '-')}={v}" for k, v in SHAPE.items()],
+             "--env.taskset.task.grounded-answers", "true", "--no-push", "--no-rich", "-o", str(tmp_path),
+             "--run.dir", "run"],
+            env={**os.environ, "PATH": f"{VF_PYTHON.parent}{os.pathsep}{os.environ['PATH']}", "SCRIPTED_KEY": "test"},
+            capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines()]
+    traces = {str(r["traces"][0]["task"]["data"]["question_id"]): r["traces"][0] for r in records}
+    assert sorted(traces) == sorted(str(q.id) for q in qs)
+    for q, traj in zip(qs, trajs):
+        trace = traces[str(q.id)]
+        assert trace["rewards"]["reward"]["score"] == pytest.approx(traj.reward), q.question
+        assert {k: trace["metrics"][k] for k in RUBRIC} == {k: float(traj.metrics[k]) for k in RUBRIC}, q.question
 
 
 @needs_verifiers
