@@ -149,10 +149,23 @@ class EmailTask(vf.Task[EmailTaskData, vf.State, EmailTaskConfig]):
                                                                grading.Verdict(**verdict)})
         data, episode = self.data, self.episode()
         question = data.as_question()
-        inbox = Inbox(EmailDB(data.db), data.inbox_address, data.query_date, max_body_chars=data.max_body_chars,
-                      default_max_results=data.search_results)
+        db = EmailDB(data.db)
+        try:
+            rubric, answer, sources, messages = self.replay(trace, Inbox(
+                db, data.inbox_address, data.query_date, max_body_chars=data.max_body_chars,
+                default_max_results=data.search_results), episode)
+        finally:
+            db.close()  # one per scored episode: a training run scores thousands
+        result = await grading.grade_answer(rubric, question, answer, sources, messages, episode)
+        trace.info["email_inbox"] = {"rubric": asdict(rubric), "graded": asdict(result)}
+        return rubric, result
+
+    def replay(self, trace: vf.Trace, inbox: Inbox, episode: Episode) -> tuple[Rubric, str | None, list, list]:
+        """The trace's replies through the project's tools, counted as the rollout loop counts them: (rubric,
+        answer, sources, the messages the agent was shown)."""
+        data = self.data
         rubric, gold = Rubric(), set(data.message_ids)
-        messages = first_messages(question, episode)
+        messages = first_messages(data.as_question(), episode)
         final = None
         for reply in trace.assistant_messages:
             record_reply(rubric, None)
@@ -173,9 +186,7 @@ class EmailTask(vf.Task[EmailTaskData, vf.State, EmailTaskConfig]):
                 break
         rubric.ran_out_of_turns = int(final is None and rubric.num_turns >= data.max_turns)
         answer, sources = (final["answer"], final["sources"]) if final else (None, [])
-        result = await grading.grade_answer(rubric, question, answer, sources, messages, episode)
-        trace.info["email_inbox"] = {"rubric": asdict(rubric), "graded": asdict(result)}
-        return rubric, result
+        return rubric, answer, sources, messages
 
     def episode(self) -> Episode:
         """The project's Episode: this task's shape, scored as the config says (one judge per task object)."""
@@ -226,7 +237,7 @@ class EmailInboxConfig(vf.TasksetConfig):
         """A database, a split or a run that is not there: one sentence when the config is read, as verifiers
         shows a bad config, not a traceback when the tasks are loaded."""
         try:
-            self.questions()
+            self.questions()[0].close()
         except UserError as exc:
             raise ValueError(str(exc)) from None
         return self
@@ -256,6 +267,7 @@ class EmailInboxTaskset(vf.Taskset[EmailTask, EmailInboxConfig]):
     def load(self) -> list[EmailTask]:
         config = self.config
         db, questions, shape = config.questions()
+        db.close()
         task_config = config.task
         grading.configure(task_config.reward, task_config.judge_model, task_config.judge_base_url, JUDGE_CACHE)
         return [EmailTask(EmailTaskData(
