@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_grader import rejudge as both_graders
 from shared import final_vs_warm, mcnemar_exact, print_pooled, print_table, run
 
 from email_agent.agent.episode import Episode
@@ -193,8 +194,10 @@ def bench_seed(args, seed: int, db: Path, work: Path) -> tuple[dict, dict, dict]
     else:
         print(f"(its report exists: not run again; delete {work} to start it over)")
     summary = json.loads((report / "summary.json").read_text())
-    print_table(summary["models"], f"seed {seed}: held-out test questions (real Enron mail), offline grading, "
-                                   f"grounding check")
+    print_table(summary["models"], f"seed {seed}: held-out test questions (real Enron mail), graded by "
+                                   f"{'; '.join(summary.get('graded_by') or ['the offline matcher'])}, grounding check")
+    print()
+    both_graders(report)  # the same answers by the grader of the published figures and today's
     warm = f"enron@{json.loads((run_dir / 'state.json').read_text())['sft_steps']}"
     final = next(m for m in summary["models"] if m.startswith("enron@") and m != warm)
     base = next((m for m in summary["models"] if m.startswith("base")), None)

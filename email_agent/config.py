@@ -16,6 +16,7 @@ from email_agent import backends
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import UserError
 from email_agent.agent.episode import SHAPE, Episode
+from email_agent.agent.matcher import GRADER
 from email_agent.data import email_db
 
 EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
@@ -115,7 +116,8 @@ def saved_config(cfg: TrainConfig, backend: str) -> dict:
     """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
     is served where it was trained and plays the episodes it learned on."""
     return {**asdict(cfg), "db": str(Path(cfg.db).resolve()),  # found from any folder the run is evaluated in
-            "backend": backend, "episode": Episode.shaped_as(cfg).shape()}
+            "backend": backend, "episode": Episode.shaped_as(cfg).shape(),
+            "offline_grader": GRADER}  # what grades answers without a judge (and when the judge fails)
 
 
 # What a CPU run takes from the demo preset when these flags are not given: its episode shape, its batch and its

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from email_agent.agent.episode import SHAPE, Episode
+from email_agent.agent.matcher import STRICT_GRADER
 from email_agent.errors import UserError
 
 ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
@@ -212,6 +213,34 @@ def check_resumable(directory: Path, config: dict) -> None:
                             f"over; another --name starts a new run).")
 
 
+
+
+def with_grader_change(directory: Path, config: dict) -> dict:
+    """`config`, noting a change of offline grader since the run's GRPO steps began: it is said, and kept in
+    run_config.json's `grader_changes` (the step from which the new grader paid the rewards), never mixed
+    silently into one curve."""
+    previous = Run.load(directory).config
+    before, now = previous.get("offline_grader", STRICT_GRADER), config.get("offline_grader")
+    changes = list(previous.get("grader_changes", []))
+    steps = [int(row["step"]) for row in _history_rows(directory / "history.jsonl") if "train/reward" in row]
+    if steps and now and before != now:
+        print(f"note: run {directory.name!r}'s GRPO steps up to {max(steps)} were rewarded by the {before}; from step "
+              f"{max(steps) + 1} the {now} grades answers graded offline (run_config.json's grader_changes says so)",
+              file=sys.stderr)
+        changes.append({"from_step": max(steps) + 1, "before": before, "now": now})
+    return {**config, "grader_changes": changes} if changes else config
+
+
+def _history_rows(history: Path) -> list[dict]:
+    rows = []
+    for line in history.read_text(errors="replace").splitlines() if history.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [row for row in rows if isinstance(row, dict) and "step" in row]
+
+
 def as_flag(key: str, value) -> str:
     """A config key's value as the `train` flag that sets it (cli.add_dataclass_flags: --max-turns 4; a boolean
     is --single-source or --no-single-source), for a person to paste back into the command."""
@@ -231,6 +260,7 @@ def start(directory: Path, config: dict, fresh: bool = False, preflight: bool = 
     if config_path.exists():
         check_resumable(directory, config)
         print(f"resuming run {directory.name!r} from {directory}", file=sys.stderr)
+        config = with_grader_change(directory, config)
     if preflight:
         return
     drop_torn_history_line(directory / "history.jsonl")

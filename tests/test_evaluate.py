@@ -115,7 +115,8 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
                        server.base_url, "--output", tmp_path / "second", "--art-dir", tmp_path / "art") == 0
     second = json.loads((tmp_path / "second" / "results.jsonl").read_text())
     assert second["metrics"]["answer_correct"] == 1 and second["metrics"]["hallucinated"] == 0
-    assert second["verdict"] == {"correct": True, "judge": "openai/judge", "reasoning": "same fact", "error": None}
+    assert second["verdict"] == {"correct": True, "judge": "openai/judge", "reasoning": "same fact", "error": None,
+                                 "grader": "openai/judge"}
     assert second["reward_mode"] == "shaped" and second["reward"] > 1
     assert second["messages"] == first["messages"]  # nothing re-run
 

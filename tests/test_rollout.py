@@ -380,35 +380,6 @@ def test_shaped_reward_hand_values():
         pytest.approx(-0.5 + 0.1)  # "I don't know" with the answer in view
 
 
-@pytest.mark.parametrize("text, normal", [
-    ("Caf\u00e9 \u2014 \u20ac4,000", "cafe 4000"),  # accent stripped, symbols with no ASCII form dropped, 4,000 joined
-    ("$2.4 million", "24 million"),
-    ("An apple, a pear and the plum", "apple pear and plum"),
-])
-def test_answers_are_compared_without_case_accents_symbols_digit_separators_or_articles(text, normal):
-    """Both sides of every offline verdict go through this. Catches a character with no ASCII form raising
-    instead of being dropped, "4,000" read as two numbers, and an article kept."""
-    assert grading.normalize_answer(text) == normal
-
-
-@pytest.mark.parametrize("answer, idk", [("I don't know", True), ("i dont know.", True), ("I do not know!", True),
-                                         ("I don't know yet", False), ("Not known", False)])
-def test_each_way_of_saying_i_dont_know_is_recognised(answer, idk):
-    """Catches a spelling of "I don't know" that would be graded as an attempted (wrong, hallucinated) answer."""
-    assert grading.is_i_dont_know(answer) is idk
-
-
-@pytest.mark.parametrize("answer, gold, reasoning", [
-    ("I don't know", "I don't know", "answered I don't know"),  # never right, even against such a gold answer
-    ("Tuesday", "?!", "empty gold answer"),  # nothing left of the gold answer to match
-    ("Tuesday", "Room 3C", "gold answer not in the answer"),
-    ("Room 3C, as the notes from the meeting say " * 3, "Room 3C", "gold answer buried in an over-long answer"),
-])
-def test_offline_verdict_rejects_i_dont_know_an_empty_gold_a_miss_and_a_buried_answer(answer, gold, reasoning):
-    verdict = grading.offline_verdict(answer, gold, "When?")
-    assert (verdict.correct, verdict.judge, verdict.reasoning) == (False, "offline", reasoning)
-
-
 @needs_enron
 def test_rollout_on_real_enron_sample(enron_db):
     inbox = "gerald.nemec@enron.com"
@@ -421,69 +392,6 @@ def test_rollout_on_real_enron_sample(enron_db):
                                   call("return_final_answer", {"answer": "Falcon Gas", "sources": [hit.message_id]})]}
     (traj,), _ = run(play(enron_db, script, [question]))
     assert traj.metrics["answer_correct"] == 1 and traj.metrics["ever_read_right_email"] == 1
-
-
-@pytest.mark.parametrize("answer,gold,question,correct", [
-    ("21", "21 FTEs", "How many FTEs were approved for Gannet?", True),  # the unit restates the question
-    ("21 FTEs", "21 FTEs", "How many FTEs were approved for Gannet?", True),
-    ("12", "21 FTEs", "How many FTEs were approved for Gannet?", False),
-    ("21", "21 FTEs", "How many people were approved for Gannet?", False),  # "FTEs" is part of the answer here
-    ("Friday", "Friday morning", "When is the call with Gannet this morning moved to?", True),
-    ("Friday afternoon", "Friday morning", "Is the call moved to the morning or the afternoon?", False),  # a choice
-    ("Mark approved it", "Jeff approved it", "Who approved it?", False),  # what is left ("Jeff") must be there
-    ("office", "Dallas office", "Which office, the Dallas office?", False),  # only the question's words left
-    ("?!", "Dallas office", "Which office, the Dallas office?", False),  # nothing is not what is left of it
-    ("21 " + "and more words " * 10, "21 FTEs", "How many FTEs were approved?", False),  # still capped in length
-])
-def test_offline_verdict_lets_an_answer_leave_out_the_question_own_closing_words(answer, gold, question, correct):
-    assert grading.offline_verdict(answer, gold, question).correct is correct
-
-
-@pytest.mark.parametrize("answer,gold,correct", [  # answers to the real-mail question set's golds
-    ("Brad Holmes and Everett Plante", "Everett Plante and Brad Holmes", True),  # reordered
-    ("December 20, 2001 at 11:00 a.m. EST", "December 20, 2001, 11:00 a.m. EST", True),  # a word between
-    ("Dr. Ida Orengo (713) 798-6131", "Dr. Ida Orengo, (713) 798-6131", True),
-    ("Everett Plante", "Everett Plante and Brad Holmes", False),  # half the answer
-    ("Boardroom 3 or 7", "Boardroom 7", False),  # a hedge naming another number
-    ("$203,196.00", "$203,196.00 (sitara deal #1143983)", False),  # a part left out: a judge's call, not a match's
-    ("1,783 Dth", "1,783 Dth long", False),
-    ("Plante, Everett", "Everett Plante", True),  # two words are enough to reorder
-])
-def test_offline_verdict_takes_the_gold_answers_words_in_another_order(answer, gold, correct):
-    """Real answers reword the gold: every word of it, in any order or with words between, and no number it
-    lacks, is right (no demo verdict moved: the answers of two `make demo` runs' GRPO, validation and evaluation
-    episodes, 344 in all, graded the same before and after)."""
-    assert grading.offline_verdict(answer, gold, "What is it?").correct is correct
-
-
-@pytest.mark.parametrize("answer, gold, question, reasoning", [
-    ("Room 3C", "room 3c", "Where?", "gold answer found in the answer"),
-    ("21", "21 FTEs", "How many FTEs?", "gold answer found in the answer, less the question's own words ('21')"),
-    ("Plante, Everett", "Everett Plante", "Who?",
-     "every word of the gold answer in the answer, in another order or with words between them"),
-])
-def test_offline_verdict_says_which_rule_accepted_the_answer(answer, gold, question, reasoning):
-    """The reasoning is what a user reads in the report to check a grade; catches a verdict credited to
-    another judge or to the wrong rule."""
-    verdict = grading.offline_verdict(answer, gold, question)
-    assert (verdict.correct, verdict.judge, verdict.reasoning) == (True, "offline", reasoning)
-
-
-@pytest.mark.parametrize("gold", ["Room 3C", "the quarterly review of the Houston office"])
-def test_offline_verdict_caps_an_answer_at_three_times_the_gold_or_60_characters_more(gold):
-    """The cap on pasted answers, to the character: the longer of three times the gold answer (34 characters
-    once normalised for the long one: a cap of 102) and the gold answer plus 60 (7 for "room 3c": a cap of 67).
-    Catches a cap that ignores the gold answer's length, or sits a character off either way."""
-    want = grading.normalize_answer(gold)
-    cap = max(3 * len(want), len(want) + 60)
-
-    def answer_of(length):
-        answer = f"{gold} " + "z" * (length - len(want) - 1)
-        assert len(grading.normalize_answer(answer)) == length
-        return answer
-
-    assert grading.offline_verdict(answer_of(cap), gold).correct
-    assert grading.offline_verdict(answer_of(cap + 1), gold).reasoning == "gold answer buried in an over-long answer"
 
 
 def test_i_dont_know_is_graded_wrong_by_rule(q):

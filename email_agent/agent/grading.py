@@ -1,11 +1,11 @@
 """Grading: whether an answer is right, asked of a matcher or a model, and an episode's answer graded.
 
-Owns: the verdict (`Verdict`, and the metadata keys a graded trajectory carries it under), the offline answer
-matcher, the LLM judge (litellm; cached, retried, failures recorded) and its configuration, the grounding check
-(`ungrounded_terms`, `withhold_ungrounded`), RULER's call to its judge, and grading one episode's answer: when the
-rollout ends (`grade_answer`) and again later (`regrade`: the train loop once a judge that was down is back, the
-evaluation's `--rejudge`). It fills in a `Rubric`'s outcome fields; `rewards` turns the rubric into a number
-and calls no model. It never calls the policy and never touches the database.
+Owns: the metadata keys a graded trajectory carries its verdict under, the LLM judge (litellm; cached,
+retried, failures recorded) and its configuration, the grounding check (`ungrounded_terms`, `withhold_ungrounded`),
+RULER's call to its judge, and grading one episode's answer: when the rollout ends (`grade_answer`) and again later
+(`regrade`: the train loop once a judge that was down is back, the evaluation's `--rejudge`). It fills in a
+`Rubric`'s outcome fields; `rewards` turns the rubric into a number and calls no model. It never calls the policy
+and never touches the database. The offline matcher (`Verdict`, `offline_verdict`) is `matcher`'s.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import tenacity
 
 from email_agent.agent import rewards
+from email_agent.agent.matcher import (GRADER, Verdict, is_i_dont_know,  # noqa: F401  (the matcher's names are
+                                       normalize_answer, offline_verdict)  # grading's too, for its callers)
 from email_agent.agent.rewards import REWARD_MODES, Rubric
 from email_agent.errors import UserError
 from email_agent.redact import redact
@@ -39,32 +41,6 @@ VERDICT_REASONING = "verdict_reasoning"  # the judge's reasons, when it gives th
 VERDICT_ERROR = "verdict_error"  # why the judge gave no verdict (the episode was then graded offline)
 VERDICT_TRANSIENT = "verdict_transient"  # that error may pass (5xx, 429, timeout): worth waiting for
 IDK = "I don't know"
-
-@dataclass
-class Verdict:
-    correct: bool
-    judge: str  # "offline" or the judge model's name
-    reasoning: str = ""
-    error: str | None = None  # set when the judge failed and the offline matcher decided
-    transient: bool = False  # ... and the failure may pass (a timeout, 429, 5xx, a refused connection)
-
-
-
-# ----------------------------------------------------------------------------------------------
-# Verdicts
-# ----------------------------------------------------------------------------------------------
-
-def normalize_answer(text: str) -> str:
-    """Lower-case; accents, punctuation and symbols dropped (digit groups like 4,000 or 2.4 joined); no articles."""
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
-    text = re.sub(r"(?<=\d)[.,](?=\d)", "", text)  # 4,000 -> 4000 ; 2.4 -> 24 on both sides alike
-    text = re.sub(r"[^a-z0-9]+", " ", text)  # "$2.4 million" and "2.4 million" normalise alike
-    return " ".join(w for w in text.split() if w not in ("a", "an", "the"))
-
-
-def is_i_dont_know(answer: str) -> bool:
-    return normalize_answer(answer) in ("i don t know", "i dont know", "i do not know")
-
 
 # Named from the dates the agent is shown (an email's ISO date gives its weekday), so never held against it.
 CALENDAR_WORDS = set("""monday tuesday wednesday thursday friday saturday sunday mon tue tues wed thu thur thurs fri
@@ -113,47 +89,6 @@ def _strings(value):
             yield from _strings(item)
     elif value is not None:
         yield str(value)
-
-
-def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
-    """Correct when the normalised gold answer appears, as whole words, in a reasonably short answer.
-
-    Closing words of the gold answer that only restate the question may be left out ("How many FTEs were
-    approved?" is answered by "21" as well as by the gold "21 FTEs"), as a judge would allow. Not when the
-    question offers a choice ("morning or afternoon?" "Friday morning"): the restated word is then the answer;
-    nor opening words ("Jeff approved it"); and a gold answer made only of the question's words must appear
-    whole. The length cap stops an agent from being right by pasting a whole email as its answer.
-    """
-    got, want = normalize_answer(answer), normalize_answer(gold)
-    if not want or is_i_dont_know(answer):
-        return Verdict(False, "offline", "empty gold answer" if not want else "answered I don't know")
-    asked, words = normalize_answer(question).split(), want.split()
-    core = words
-    if "or" not in asked:
-        while core and core[-1] in asked:
-            core = core[:-1]
-    forms = [want] + ([" ".join(core)] if core and len(core) < len(words) else [])
-    found = next((form for form in forms if f" {form} " in f" {got} "), None)
-    if found is None and not same_words(got, want):
-        return Verdict(False, "offline", "gold answer not in the answer")
-    if len(got) > max(3 * len(found or want), len(found or want) + 60):
-        return Verdict(False, "offline", "gold answer buried in an over-long answer")
-    if found is None:
-        return Verdict(True, "offline", "every word of the gold answer in the answer, in another order or with "
-                                        "words between them")
-    return Verdict(True, "offline", "gold answer found in the answer" if found == want
-                   else f"gold answer found in the answer, less the question's own words ({found!r})")
-
-
-def same_words(got: str, want: str) -> bool:
-    """Real answers reword: "Brad Holmes and Everett Plante" for "Everett Plante and Brad Holmes", "December 20,
-    2001 at 11:00 a.m." for "December 20, 2001, 11:00 a.m.". Every word of a gold answer of two words or more
-    in the (normalised) answer, and no number the gold answer lacks ("Boardroom 3 or 7" does not answer
-    "Boardroom 7")."""
-    wanted, given = want.split(), got.split()
-    numbers = {w for w in wanted if any(c.isdigit() for c in w)}
-    return len(wanted) >= 2 and set(wanted) <= set(given) and \
-        all(w in numbers for w in given if any(c.isdigit() for c in w))
 
 
 JUDGE_PROMPT = """You grade answers to questions about a person's email inbox.

@@ -48,6 +48,12 @@ def cost_usd(price_model: str | None, prompt_tokens: int, completion_tokens: int
     return prompt_cost + completion_cost
 
 
+def grader_of(judge: str | None) -> str | None:
+    """Who decided a verdict: the offline matcher by name (this version's), the judge model, or "rule" ("I don't
+    know" is wrong by rule)."""
+    return grading.GRADER if judge == "offline" else judge
+
+
 def make_record(contestant, question: Question, traj, episode: Episode) -> dict:
     """One line of results.jsonl for `contestant` (a `players.Contestant`) having played `episode`: enough to
     report, re-judge and warm-start from without re-running."""
@@ -55,7 +61,8 @@ def make_record(contestant, question: Question, traj, episode: Episode) -> dict:
     verdict = None
     if meta.get("answer") is not None:
         verdict = {"correct": bool(m["answer_correct"]), "judge": meta.get("verdict_judge"),
-                   "reasoning": meta.get(grading.VERDICT_REASONING), "error": meta.get(grading.VERDICT_ERROR)}
+                   "reasoning": meta.get(grading.VERDICT_REASONING), "error": meta.get(grading.VERDICT_ERROR),
+                   "grader": grader_of(meta.get("verdict_judge"))}
     return {"model": contestant.label, "question_id": question.id, "question": question.question,
             "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
@@ -106,5 +113,6 @@ async def rejudge_record(record: dict, episode: Episode) -> dict:
                grounded_answers=episode.grounded_answers, metrics={**record["metrics"], **asdict(rubric)},
                reward=graded.reward, reward_mode=episode.reward)
     new["verdict"] = None if verdict is None else {"correct": verdict.correct, "judge": verdict.judge,
-                                                   "reasoning": verdict.reasoning, "error": verdict.error}
+                                                   "reasoning": verdict.reasoning, "error": verdict.error,
+                                                   "grader": grader_of(verdict.judge)}
     return new

@@ -148,5 +148,6 @@ def history_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def when_what(records: list[dict], summary: dict) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    graded = summary.get("graded_by") or []
     return (f"Generated {now}: {summary['n_questions']} questions, {len(summary['models'])} models, "
-            f"{len(records)} result records.")
+            f"{len(records)} result records." + (f" Graded by: {'; '.join(graded)}." if graded else ""))

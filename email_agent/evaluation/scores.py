@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from email_agent.agent.matcher import STRICT_GRADER
 from email_agent.agent.rewards import valid_tool_call_rate
 
 
@@ -186,7 +187,22 @@ def summarize(records: list[dict]) -> dict:
         "pairs": paired_comparisons(by_model),
         "n_questions": len({question_key(r) for r in records}),
         "n_records": len(records),
+        "graded_by": graders(records),
     }
+
+
+
+
+def graders(records: list[dict]) -> list[str]:
+    """Who decided the verdicts: the LLM judge's name, or the offline matcher's (a judge that failed on an answer
+    left it to the matcher); "I don't know" is wrong by rule and names no grader."""
+    named = set()
+    for r in records:
+        verdict = r.get("verdict") or {}
+        if verdict.get("judge") and verdict["judge"] != "rule":
+            offline = verdict["judge"] == "offline" or verdict.get("error")
+            named.add((verdict.get("grader") or STRICT_GRADER) if offline else verdict["judge"])
+    return sorted(named)
 
 
 RESULT_KEYS = ("model", "question_id", "question", "gold_answer", "gold_message_ids", "inbox", "query_date",
