@@ -59,6 +59,8 @@ def test_trainings_offline_reward_pays_those_answers_as_right(question, gold, an
      "Monday, November 5 at 10:00am"),  # asked when and where: only when
     ("What is the balance on PAL K#36621 (Enron Park)?", "1,783 Dth long", "1,783 Dth short"),
     ("When is the facility compliance certification report for Station 5 due?", "Jan. 23, 2002", "Jan. 23, 2003"),
+    ("What date is the Kestrel planning session scheduled for?", "Monday, May 27", "Tuesday, April 30"),  # not split
+    ("What is my username for OATI webOasis?", "lfcampbell", "tlfcampbell"),  # only names may be a typo apart
 ])
 def test_an_answer_that_misses_or_contradicts_what_was_asked_is_wrong(question, gold, answer):
     assert not matcher.offline_verdict(answer, gold, question).correct
@@ -79,6 +81,9 @@ def test_an_answer_that_misses_or_contradicts_what_was_asked_is_wrong(question, 
     ("What is Cris Sherman's cell phone number?", "713.826.4488", "(713) 826-4488"),
     ("Under which tariff do large industrials like Hanson connect to PG&E's transmission system?", "E-20T", "E20T"),
     ("How many FTEs were approved for Gannet?", "21 FTEs", "21"),  # the unit restates the question
+    ("How much did finance approve for Falcon?", "$600,000", "$600,000 and 4 FTEs"),  # extra detail, not a hedge
+    ("How often does the TNRCC State Summary File data get updated?", "every month, around the 10th",
+     "every month"),  # "month," is no weekday: the trailing clause is context
     ("When and where is the Vepco meeting?", "Monday, November 5 at 10:00am in conference room EB3125B",
      "November 5 at 10 am in EB3125B"),
 ])
