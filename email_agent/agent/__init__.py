@@ -4,6 +4,7 @@ Modules, in the order an episode flows through them:
   episode   `Episode`: turns, reply length, email length, results per search (saved with each run)
   tools     search_inbox, read_email, return_final_answer over an `EmailDB`, and the dispatch of every call
   rollout   one async function: a question played by a policy through the tools, returning an ART Trajectory
+  matcher   the offline grader: is an answer right, from the gold answer's core and the question's text alone
   grading   is the answer right: the offline matcher, an LLM judge, the grounding check, RULER's judge; an
             episode's answer graded (and graded again: the train loop after a judge outage, `--rejudge`)
   rewards   the Rubric turned into a number: the shaped and binary rewards, RULER's scores as a group's rewards
