@@ -56,8 +56,8 @@ def test_a_reward_that_needs_a_judge_is_refused_without_one(monkeypatch, tmp_pat
     with pytest.raises(UserError, match=f"--reward {mode} needs a judge: pass --judge-model"):
         grading.configure(mode, None, None, tmp_path)
     assert grading.configure(None, None, None, tmp_path) == ("offline", None)  # no judge: offline by default
-    assert caplog.messages[-1] == ("no judge configured: answers are graded OFFLINE by normalised match against the "
-                                   "gold answer (pass --judge-model for an LLM judge).")  # said loudly
+    assert caplog.messages[-1] == (f"no judge configured: answers are graded OFFLINE by the {grading.GRADER} against "
+                                   "the gold answer (pass --judge-model for an LLM judge).")  # said loudly
     with pytest.raises(UserError, match=re.escape("--reward must be one of offline, shaped, judge, ruler, not 'rlhf'")):
         grading.configure("rlhf", None, None, tmp_path)
 

@@ -147,7 +147,7 @@ def test_each_reward_mode_says_what_it_uses(monkeypatch, demo_db, demo_db_path, 
     judge = grading.LLMJudge("openai/grader", api_base="http://localhost:6688")
     assert rewards.describe("offline", None, hallucination_penalty=1.5) == (
         "offline (right > \"I don't know\" > wrong, a wrong answer costing 1.5, with partial credit); "
-        "answers graded offline (normalised match against the gold answer; no judge)")
+        "answers graded offline by the offline matcher v2 (core and context); no judge")
     assert rewards.describe("shaped", judge).endswith("answers graded by the judge openai/grader at "
                                                       "http://localhost:6688")
     assert rewards.describe("judge", judge) == ("judge openai/grader at http://localhost:6688: 1 for a right "

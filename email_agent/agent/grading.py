@@ -257,7 +257,7 @@ def configure(mode: str | None, judge_model: str | None, judge_base_url: str | N
         raise UserError(f"--reward {mode} needs a judge: pass --judge-model (or set JUDGE_MODEL), "
                         "or use --reward offline.")
     if judge is None and mode != "ruler":  # RULER's reward needs no answer judge (`describe` says what is used)
-        log.warning("no judge configured: answers are graded OFFLINE by normalised match against the gold answer "
+        log.warning(f"no judge configured: answers are graded OFFLINE by the {GRADER} against the gold answer "
                     "(pass --judge-model for an LLM judge).")
     return mode, judge
 

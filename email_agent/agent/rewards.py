@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from email_agent.agent.matcher import GRADER
+
 REWARD_MODES = ("offline", "shaped", "judge", "ruler")
 # Keys RULER's outcome is recorded under (`ruler_failed`, `ruler_rewards`), read by the training loop's outage
 # handling (training.judge_outages) and each step's health. The verdict's keys are `grading`'s.
@@ -78,7 +80,7 @@ def describe(mode: str, judge, ruler_model: str = "", ruler_base_url: str | None
         return f" at {base_url}" if base_url else ""
 
     graded = (f"answers graded by the judge {judge.model}{where(judge.api_base)}" if judge else
-              "answers graded offline (normalised match against the gold answer; no judge)")
+              f"answers graded offline by the {GRADER}; no judge")
     if mode == "ruler":
         return f"RULER {ruler_model}{where(ruler_base_url)} ranks each group; {graded}, for the metrics"
     if mode == "judge":
