@@ -163,7 +163,7 @@ def test_vf_eval_plays_the_scripted_episodes_as_the_projects_rollout_did(played,
              "--env.taskset.task.grounded-answers", "true", "--no-push", "--no-rich", "-o", str(tmp_path),
              "--run.dir", "run"],
             env={**os.environ, "PATH": f"{VF_PYTHON.parent}{os.pathsep}{os.environ['PATH']}", "SCRIPTED_KEY": "test"},
-            capture_output=True, text=True, timeout=900, cwd=ROOT)
+            capture_output=True, text=True, timeout=900, cwd=tmp_path)  # no data/demo.db here: --env.taskset.db is used
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "traces.jsonl").read_text().splitlines()]
     traces = {str(r["traces"][0]["task"]["data"]["question_id"]): r["traces"][0] for r in records}
@@ -174,15 +174,29 @@ def test_vf_eval_plays_the_scripted_episodes_as_the_projects_rollout_did(played,
         assert {k: trace["metrics"][k] for k in RUBRIC} == {k: float(traj.metrics[k]) for k in RUBRIC}, q.question
 
 
+def vf_eval_refused(*flags: str, cwd: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """vf-eval against a model at a closed port: what it says before it would call the model."""
+    done = subprocess.run([str(VF_PYTHON.parent / "vf-eval"), "email-inbox", *flags, "-m", "m", "--client.base-url",
+                           "http://127.0.0.1:9/v1", "-n", "1", "--no-push", "--no-rich"],
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    return done, " ".join((done.stdout + done.stderr).replace("│", " ").split())  # verifiers boxes a bad config
+
+
 @needs_verifiers
-def test_vf_eval_says_in_one_sentence_when_a_split_has_no_questions(demo_db_path):
-    done = subprocess.run([str(VF_PYTHON.parent / "vf-eval"), "email-inbox", "--env.taskset.db", str(demo_db_path),
-                           "--env.taskset.split", "validation", "-m", "m", "--client.base-url",
-                           "http://127.0.0.1:9/v1", "-n", "1", "--no-push", "--no-rich", "--dry-run"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    said = " ".join((done.stdout + done.stderr).replace("│", " ").split())  # verifiers boxes a bad config
+def test_vf_eval_says_in_one_sentence_when_a_split_has_no_questions(demo_db_path, tmp_path):
+    done, said = vf_eval_refused("--env.taskset.db", str(demo_db_path), "--env.taskset.split", "validation",
+                                 cwd=tmp_path)
     assert done.returncode == 1
     assert "has no 'validation' questions; its splits are test, train" in said
+    assert "Traceback" not in said
+
+
+@needs_verifiers
+def test_vf_eval_without_a_database_names_the_command_that_builds_one(tmp_path):
+    """No flag at all, in a folder with no data/demo.db: the default database is missing, said in one sentence."""
+    done, said = vf_eval_refused(cwd=tmp_path)
+    assert done.returncode == 1
+    assert "No database at data/demo.db; run `python train_email_search_agent.py build-db --demo` first." in said
     assert "Traceback" not in said
 
 

@@ -235,7 +235,11 @@ class EmailInboxConfig(vf.TasksetConfig):
     @model_validator(mode="after")
     def _questions_to_play(self) -> EmailInboxConfig:
         """A database, a split or a run that is not there: one sentence when the config is read, as verifiers
-        shows a bad config, not a traceback when the tasks are loaded."""
+        shows a bad config, not a traceback when the tasks are loaded. verifiers also builds this config with
+        its id alone, as the default of its CLI's field, before the flags are applied: that one is left unchecked,
+        or a missing data/demo.db would refuse `--env.taskset.db` pointing elsewhere."""
+        if not self.model_fields_set - {"id"}:
+            return self
         try:
             self.questions()[0].close()
         except UserError as exc:
@@ -266,7 +270,10 @@ class EmailInboxConfig(vf.TasksetConfig):
 class EmailInboxTaskset(vf.Taskset[EmailTask, EmailInboxConfig]):
     def load(self) -> list[EmailTask]:
         config = self.config
-        db, questions, shape = config.questions()
+        try:
+            db, questions, shape = config.questions()
+        except UserError as exc:  # the config left unchecked above (no flag given): still one sentence
+            raise SystemExit(f"error: {exc}") from None
         db.close()
         task_config = config.task
         grading.configure(task_config.reward, task_config.judge_model, task_config.judge_base_url, JUDGE_CACHE)
