@@ -8,7 +8,9 @@ it accepts.
 Each label is a real agent answer to a real question (the real-mail set, the demo), judged accept or reject by
 ART·E's judge rule (data/grader-labels/README.md). For the current grader (`matcher.offline_verdict`) and the one
 shipped before it (`matcher.strict_verdict`), per split (`tune`: the labels the rules were read from; `heldout`:
-never tuned on) and per set: agreement (share of labels the grader's verdict matches), wrong answers accepted
+never tuned on), per set and per round of labelling (round 1: the labels the grader was written beside; later
+rounds: answers labelled after it was frozen, from other checkpoints, every one unseen while tuning): agreement
+(share of labels the grader's verdict matches), wrong answers accepted
 (share of the `reject` labels it accepts; the target is <= 2%) and right answers found (share of the `accept`
 labels it accepts). Targets: >= 95% agreement and <= 2% wrong answers accepted on the held-out labels.
 
@@ -96,7 +98,8 @@ def print_agreement(rows: list[dict]) -> dict:
         for r in rows:
             groups[r["split"]].append(r)
             groups[f"{r['split']} / {r['set']}"].append(r)
-        for key in sorted(groups, key=lambda k: (k.split(" / ")[0] != "heldout", k)):
+            groups[f"round {r.get('round', 1)}"].append(r)
+        for key in sorted(groups, key=lambda k: (not k.startswith("heldout"), k.startswith("round"), k)):
             f = figures(groups[key], grade)
             results[(name, key)] = f
             print(f"{name:<52}{key:<22}{f['n']:>5}{pct(f['agreement']):>11}"
@@ -108,13 +111,19 @@ def print_agreement(rows: list[dict]) -> dict:
         print(f"\nheld out, {GRADER}: agreement {pct(held['agreement'])} (target >= {TARGET_AGREEMENT:.0%}), wrong "
               f"answers accepted {pct(held['wrong_accepted'])} (target <= {TARGET_WRONG_ACCEPTED:.0%}): "
               f"{'met' if met else 'NOT met'}")
+    for key in sorted(k for n, k in results if n == GRADER and k.startswith("round ") and k != "round 1"):
+        fresh = results[(GRADER, key)]
+        print(f"{key} (answers labelled after round 1; the first, blind measurement of each round is in "
+              f"bench/RESULTS.md), {GRADER}: agreement "
+              f"{pct(fresh['agreement'])} of {fresh['n']}, wrong answers accepted {pct(fresh['wrong_accepted'])} of "
+              f"{fresh['n_wrong']}")
     return results
 
 
-def show(rows: list[dict], split: str) -> None:
-    print(f"\ndisagreements of {GRADER} on {split}:")
+def show(rows: list[dict], which: str) -> None:
+    print(f"\ndisagreements of {GRADER} on {'round ' if which.isdigit() else ''}{which}:")
     for r in rows:
-        if r["split"] == split:
+        if which in (r["split"], str(r.get("round", 1))):
             verdict = offline_verdict(r["answer"], r["gold"], r["question"])
             if verdict.correct != (r["label"] == "accept"):
                 print(f"  [{r['label']}] {r['set']} {r['question_id']}: Q {r['question']!r}\n      gold {r['gold']!r}\n"
@@ -146,7 +155,7 @@ def rejudge(folder: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--labels", type=Path, default=LABELS)
-    parser.add_argument("--show", choices=["tune", "heldout"], help="print each disagreement of that split")
+    parser.add_argument("--show", help="print each disagreement of that split (tune, heldout) or round (2, 3, ...)")
     parser.add_argument("--rejudge", type=Path, nargs="+", metavar="DIR", help="evaluations' folders to regrade")
     args = parser.parse_args(argv)
     if args.rejudge:

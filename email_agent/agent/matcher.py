@@ -240,7 +240,7 @@ def gold_core(gold: str, question: str) -> str:
     if len(parts) < 2 or TWO_THINGS.search(question) or COUNTED.search(question) or _is_list(parts):
         return core
     if len(parts) == 2:  # "Linda Wicker, (281) 374-9557", "Constellation, for a ... position", "Portland, Colorado"
-        return parts[0]
+        return core if TIME_RE.search(parts[1]) else parts[0]  # "Saturday, Sept 15th, 8:00 AM to 5:00 PM": one when
     keep = [parts[0]]  # "Thursday, June 14, 2001, 10:00 AM - 11:00 AM, meet in the PLAZA ...": up to the clause
     for part in parts[1:]:
         if CLAUSE_START.match(part) or _is_phone_or_title(part):
@@ -302,8 +302,9 @@ def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
     wanted = _less_the_question(read_facts(core_text), asked, question)
     if got.size() > LONGEST * full.size() + 12:
         return Verdict(False, "offline", "gold answer buried in an over-long answer")
+    items = list_items(core_text, question)
     problem = _numbers_problem(wanted, full, got, asked) or _words_problem(wanted, full, got) or \
-        _items_problem(list_items(core_text, question), got, asked)
+        _items_problem(items, got, asked) or (None if items else _other_names_problem(answer, wanted, full, asked))
     if problem:
         return Verdict(False, "offline", problem)
     if not (wanted.names or wanted.words or wanted.numbers or wanted.years):
@@ -365,6 +366,20 @@ def _items_problem(items: list[str], got: Facts, asked: Facts) -> str | None:
                                              for w in own) or
                                          any(_has_number(n, got.numbers | got.spelled) for n in own_numbers)):
             return f"missing {items[i].strip()!r} of the items asked for"
+    return None
+
+
+def _other_names_problem(answer: str, wanted: Facts, full: Facts, asked: Facts) -> str | None:
+    """A gold answer that names one thing, answered by it and another beside it ("Dan Hvyl and Charlie Otto" for
+    "Charlie Otto"): a second candidate, not extra detail. Another item is all names, none of them the gold's or
+    the question's."""
+    if not wanted.names or wanted.numbers:
+        return None
+    known = full.stems() | asked.stems()
+    for item in re.split(r"\s+(?:and|or|&)\s+|\s*[,;/]\s*", answer.strip()):
+        facts = read_facts(item)
+        if facts.names and not facts.words and not facts.numbers and not set(facts.names) & known:
+            return f"names another beside the gold answer ({item.strip()!r})"
     return None
 
 
