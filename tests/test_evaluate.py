@@ -14,7 +14,7 @@ from email_agent.serving import players, servers
 from email_agent import runs
 from email_agent.data import questions as qmod
 from email_agent.errors import UserError
-from email_agent.agent.grading import JUDGE_PROBE, judge_request
+from email_agent.agent.llm_judge import JUDGE_PROBE, judge_request
 from art_doubles import GPUService, on_a_gpu_machine
 from scripted_server import call, expert_script, serve_in_thread
 
@@ -145,7 +145,7 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert ((tmp_path / "third" / "demo.db").read_text() == "not ours"
             and (tmp_path / "third" / "results.jsonl").exists())
     assert sorted(p.name for p in max(tmp_path.glob("third-*"), key=lambda p: p.stat().st_mtime).iterdir()) == [
-        "report.html", "report.md", "results.jsonl", "summary.json"]
+        "eval_config.json", "report.html", "report.md", "results.jsonl", "summary.json"]
 
 
 def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
@@ -219,7 +219,7 @@ def test_a_judge_that_cannot_run_stops_the_evaluation_before_any_rollout(demo_db
 def test_judge_retries_only_transient_errors(status, requests):
     import asyncio
 
-    from email_agent.agent.grading import LLMJudge
+    from email_agent.agent.llm_judge import LLMJudge
 
     with serve_in_thread({"*": [{"status": status}] * 5}) as server:
         judge = LLMJudge("openai/judge", api_base=server.base_url, retries=3)
@@ -589,7 +589,7 @@ def test_traced_rollout_wraps_the_judge_and_never_requires_weave(monkeypatch):
     import weave
     from weave.trace.op import is_op
 
-    from email_agent.agent.grading import LLMJudge
+    from email_agent.agent.llm_judge import LLMJudge
     from email_agent.agent.rollout import rollout
     from email_agent.tracing import traced_rollout
 

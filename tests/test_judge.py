@@ -10,7 +10,8 @@ import art
 import pytest
 from openai import AsyncOpenAI
 
-from email_agent.agent import grading, rewards
+from email_agent import model_api
+from email_agent.agent import grading, llm_judge, rewards, ruler
 from email_agent.data import questions as qmod
 from email_agent.errors import UserError
 from email_agent.agent.episode import Episode
@@ -80,8 +81,8 @@ def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
 def test_ruler_without_an_answer_judge_uses_the_judge_endpoint_and_key_from_the_environment(monkeypatch):
     monkeypatch.setenv("JUDGE_API_BASE", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("JUDGE_API_KEY", "judge-secret")
-    assert grading.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
-    assert grading.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
+    assert ruler.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
+    assert ruler.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
 
 
 def test_the_judge_cache_survives_a_torn_line(demo_db, q, tmp_path):
@@ -117,11 +118,11 @@ def test_judge_failures_are_transient_or_not():
         def __init__(self, status):
             self.status_code = status
 
-    assert all(grading.may_pass(Status(s)) for s in (408, 409, 429, 500, 502, 503))
-    assert not any(grading.may_pass(Status(s)) for s in (400, 401, 403, 404, 410))
-    assert not grading.may_pass(RuntimeError("no status at all"))
-    assert grading.is_transient(ValueError("judge reply has no JSON"))  # asked again at once ...
-    assert not grading.may_pass(ValueError("judge reply has no JSON"))  # ... but not waited for: it never parses
+    assert all(model_api.worth_waiting_for(Status(s)) for s in (408, 409, 429, 500, 502, 503))
+    assert not any(model_api.worth_waiting_for(Status(s)) for s in (400, 401, 403, 404, 410))
+    assert not model_api.worth_waiting_for(RuntimeError("no status at all"))
+    assert model_api.worth_retrying(ValueError("judge reply has no JSON"))  # asked again at once ...
+    assert not model_api.worth_waiting_for(ValueError("judge reply has no JSON"))  # ... not waited for: never parses
 
 
 def test_a_judge_that_answers_in_prose_is_asked_again_then_graded_offline():
@@ -135,10 +136,10 @@ def test_a_judge_that_answers_in_prose_is_asked_again_then_graded_offline():
 def test_judge_endpoints_get_a_placeholder_key_only_when_local():
     """Catches: a placeholder key sent to a provider's own API (it must fall back to e.g. OPENAI_API_KEY), or none
     sent to a local server (the OpenAI client refuses to send no key)."""
-    assert grading.endpoint_params(None, None) == {}
-    assert grading.endpoint_params("http://127.0.0.1:8000/v1", None, 5.0) == {
+    assert model_api.endpoint_params(None, None) == {}
+    assert model_api.endpoint_params("http://127.0.0.1:8000/v1", None, 5.0) == {
         "api_base": "http://127.0.0.1:8000/v1", "api_key": "none", "timeout": 5.0}
-    assert grading.endpoint_params(None, "sk-x") == {"api_key": "sk-x"}
+    assert model_api.endpoint_params(None, "sk-x") == {"api_key": "sk-x"}
 
 
 def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):
@@ -150,7 +151,7 @@ def ask_judge(replies, question, gold, answers, retries=3, cache_path=None):
         return replies[min(len(seen.append(body) or seen), len(replies)) - 1]
 
     with serve_in_thread({"judge": {"*": script}}) as server:
-        judge = grading.LLMJudge("openai/judge", api_base=server.base_url, retries=retries, cache_path=cache_path)
+        judge = llm_judge.LLMJudge("openai/judge", api_base=server.base_url, retries=retries, cache_path=cache_path)
         verdicts = [asyncio.run(judge.verdict(question, gold, answer)) for answer in answers]
         return verdicts, server.requests
 
@@ -167,7 +168,7 @@ def test_the_judge_sees_the_question_the_reference_and_the_answer_and_decides_on
         (False, "openai/judge", "answered I don't know")]
     assert len(requests) == 1
     assert requests[0]["messages"] == [
-        {"role": "system", "content": grading.JUDGE_PROMPT},
+        {"role": "system", "content": llm_judge.JUDGE_PROMPT},
         {"role": "user", "content": "Question: Which room?\nReference answer: Room 3C\nAI answer: It is room 3C."}]
     assert requests[0]["temperature"] == 0 and requests[0]["max_tokens"] == 300
 
@@ -203,7 +204,7 @@ def test_a_judge_that_is_rate_limited_backs_off_exponentially_up_to_10_s(monkeyp
     (json.dumps({"reasoning": "x" * 900, "accept": True}), True, "x" * 500),  # a rambling reason, cut
 ])
 def test_judge_replies_that_parse(text, correct, reasoning):
-    verdict = grading.parse_judge_reply(text, "openai/judge")
+    verdict = llm_judge.parse_judge_reply(text, "openai/judge")
     assert (verdict.correct, verdict.judge, verdict.reasoning) == (correct, "openai/judge", reasoning)
 
 
@@ -212,7 +213,7 @@ def test_judge_replies_that_parse(text, correct, reasoning):
 def test_judge_replies_that_do_not_parse_say_why(text, says):
     """Catches: an error without its reason (it is what the report shows for a judge that answers in prose)."""
     with pytest.raises(ValueError, match=re.escape(says)):
-        grading.parse_judge_reply(text, "openai/judge")
+        llm_judge.parse_judge_reply(text, "openai/judge")
 
 
 def test_a_failing_judge_prints_no_litellm_banner(monkeypatch, capfd):
@@ -236,7 +237,7 @@ def test_an_episode_the_judge_failed_on_is_graded_again_as_it_was_played(demo_db
 
     async def go():
         async with ScriptedServer(scripts) as server:
-            judge = grading.LLMJudge("openai/judge", api_base=server.base_url, retries=1)
+            judge = llm_judge.LLMJudge("openai/judge", api_base=server.base_url, retries=1)
             config = Episode(reward="shaped", judge=judge, hallucination_penalty=2.0)
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, demo_db, config)
@@ -268,8 +269,8 @@ def test_a_regraded_episode_the_judge_accepts_is_rewarded_in_the_runs_mode(demo_
 
     async def go():
         async with ScriptedServer(scripts) as server:
-            config = Episode(reward=reward, judge=grading.LLMJudge("openai/judge", api_base=server.base_url,
-                                                                         retries=1))
+            config = Episode(reward=reward, judge=llm_judge.LLMJudge("openai/judge", api_base=server.base_url,
+                                                                           retries=1))
             client = AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
             traj = await rollout(Policy(client, "agent"), q, demo_db, config)
             server.scripts["judge"] = {"*": [ACCEPT]}

@@ -9,7 +9,7 @@ import pytest
 
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
 from email_agent.training import judge_outages
-from email_agent.agent import grading, rewards
+from email_agent.agent import llm_judge, rewards
 from email_agent.data import questions as qmod
 from email_agent.backends.cpu import checkpoints
 
@@ -144,7 +144,7 @@ def test_each_reward_mode_says_what_it_uses(monkeypatch, demo_db, demo_db_path, 
     assert code == 0
     assert "reward       RULER openai/judge at http://127.0.0.1:" in err and "ranks each group" in err
     assert "no judge configured" not in err
-    judge = grading.LLMJudge("openai/grader", api_base="http://localhost:6688")
+    judge = llm_judge.LLMJudge("openai/grader", api_base="http://localhost:6688")
     assert rewards.describe("offline", None, hallucination_penalty=1.5) == (
         "offline (right > \"I don't know\" > wrong, a wrong answer costing 1.5, with partial credit); "
         "answers graded offline by the offline matcher v2 (core and context); no judge")

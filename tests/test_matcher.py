@@ -123,14 +123,14 @@ def test_the_verdict_says_what_it_read_as_the_core_and_what_was_missing():
     ("An apple, a pear and the plum", "apple pear and plum"),
 ])
 def test_answers_are_compared_without_case_accents_symbols_digit_separators_or_articles(text, normal):
-    assert grading.normalize_answer(text) == normal
+    assert matcher.normalize_answer(text) == normal
 
 
 @pytest.mark.parametrize("answer, idk", [("I don't know", True), ("i dont know.", True), ("I do not know!", True),
                                          ("I don't know yet", False), ("Not known", False)])
 def test_each_way_of_saying_i_dont_know_is_recognised(answer, idk):
     """Catches a spelling of "I don't know" that would be graded as an attempted (wrong, hallucinated) answer."""
-    assert grading.is_i_dont_know(answer) is idk
+    assert matcher.is_i_dont_know(answer) is idk
 
 
 def test_the_grader_that_decided_is_named_in_an_evaluations_records_and_summary():

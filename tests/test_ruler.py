@@ -9,7 +9,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from email_agent.training import step_health
-from email_agent.agent import grading
+from email_agent.agent import ruler
 from email_agent.data import questions as qmod
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
@@ -69,7 +69,7 @@ def judge(group_trajs, replies, use_art=False):
                 from art.rewards import ruler_score_group
 
                 return await ruler_score_group(fresh, "openai/judge", extra_litellm_params=params), server
-            return await grading.ruler_group(fresh, "openai/judge", params), server
+            return await ruler.ruler_group(fresh, "openai/judge", params), server
 
     return asyncio.run(go())
 

@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-from email_agent.agent.grading import is_i_dont_know  # noqa: E402
+from email_agent.agent.matcher import is_i_dont_know  # noqa: E402
 
 LABELS = HERE / "labels.jsonl"
 KEYS = ("set", "question_id", "question", "gold", "answer", "source", "split", "round", "label", "labeller", "note")

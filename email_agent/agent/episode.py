@@ -31,7 +31,7 @@ class Episode:
     search_results: int = _shape(DEFAULT_SEARCH_RESULTS, "results per search when the model does not ask for a number")
     # the scoring
     reward: str = "offline"  # see rewards.REWARD_MODES
-    judge: object | None = None  # a `grading.LLMJudge` (grading reads the episode: not imported here); None: offline
+    judge: object | None = None  # an `llm_judge.LLMJudge`; None: graded offline (by the matcher)
     hallucination_penalty: float = 1.0  # what a wrong answer costs in the shaped reward (rewards.shaped_reward)
     grounded_answers: bool = False  # withhold answers naming what the agent never saw (`grading.withhold_ungrounded`)
 

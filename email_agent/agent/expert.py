@@ -24,7 +24,7 @@ from openai.types.chat import ChatCompletion
 
 from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, day_after
 from email_agent.data.questions import Question
-from email_agent.agent.grading import normalize_answer
+from email_agent.agent.matcher import normalize_answer
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import rollout
 
@@ -77,7 +77,7 @@ def rare_keywords(question: str, inbox: str, today: str, db: EmailDB, limit: int
 
 
 def answer_words(text: str) -> list[str]:
-    """The words that carry an answer: normalised (see `grading.normalize_answer`), numbers split from their
+    """The words that carry an answer: normalised (see `matcher.normalize_answer`), numbers split from their
     units ("$150mm" -> 150 mm), without the common words and initials."""
     spaced = re.sub(r"(?<=\d)(?=[a-z])|(?<=[a-z])(?=\d)", " ", normalize_answer(text))
     return [w for w in spaced.split() if w not in STOPWORDS and (len(w) > 1 or w.isdigit())]  # not initials

@@ -3,7 +3,7 @@
 Owns: the `Rubric` (what happened in one episode: recorded by the rollout, its outcome fields filled in by
 `grading`, and doubling as the trajectory's metrics), the reward modes and their formulas (`shaped`, `judge` =
 binary), and RULER's relative scores applied to a group (`ruler_rewards`, `ruler_failed`; asking RULER's judge
-is `grading.ruler_group`'s). Whether an answer is right is `grading`'s to decide.
+is `ruler.ruler_group`'s). Whether an answer is right is `grading`'s to decide.
 
 Reward modes (`--reward`):
   offline  shaped formula, verdict from the offline matcher (no network; the default with no judge)
@@ -75,7 +75,7 @@ def valid_tool_call_rate(metrics) -> float | None:
 
 def describe(mode: str, judge, ruler_model: str = "", ruler_base_url: str | None = None,
              hallucination_penalty: float = 1.0) -> str:
-    """The reward in use, in one line for the start of a run (`judge`: a `grading.LLMJudge`, or None)."""
+    """The reward in use, in one line for the start of a run (`judge`: an `llm_judge.LLMJudge`, or None)."""
     def where(base_url: str | None) -> str:
         return f" at {base_url}" if base_url else ""
 
@@ -139,7 +139,7 @@ def reward(mode: str, r: Rubric, max_turns: int, num_sources: int, hallucination
 
 
 # ----------------------------------------------------------------------------------------------
-# RULER's scores as a group's rewards (its judge is asked by `grading.ruler_group`)
+# RULER's scores as a group's rewards (its judge is asked by `ruler.ruler_group`)
 # ----------------------------------------------------------------------------------------------
 
 def ruler_rewards(trajectories, scores) -> None:

@@ -37,6 +37,7 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from email_agent import model_api
 from email_agent.data.email_db import no_database
 from email_agent.data.question_checks import Reject, assign_splits, check_candidate, is_near_duplicate, words
 from email_agent.errors import UserError
@@ -341,42 +342,50 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
     key = batch.key(cfg)
     if key in cache.replies:
         return {**cache.replies[key], "cached": True}
-    # here, not at the top: litellm takes ~1.5 s to import (openai, pydantic), and this module loads for --help
-    import litellm
+    litellm = model_api.import_litellm()
+    # a failed call is asked again after a wait (1 s, doubling), a malformed reply at once; anything else raises
+    retrying = model_api.retrying(cfg.retries, first_wait=1.0,
+                                  retry_if=lambda error: isinstance(error, (CallFailed, Malformed)),
+                                  wait_if=lambda error: isinstance(error, CallFailed))
+    try:
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    response = await litellm.acompletion(model=cfg.model, messages=batch_prompt(batch, cfg),
+                                                         temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                                         **model_api.endpoint_params(cfg.base_url, cfg.api_key,
+                                                                                     cfg.timeout))
+                except Exception as exc:  # network, auth, rate limit: retried, then counted (never with the key)
+                    error = f"API error: {type(exc).__name__}"
+                    log.warning("batch %s: %s: %s", key[:8], error, redact(str(exc)[:300], cfg.api_key))
+                    raise CallFailed(error) from exc
+                try:
+                    if not response.choices:  # an OpenAI-compatible server may answer 200 with no choice at all
+                        raise ValueError("reply has no choices")
+                    questions = parse_reply(response.choices[0].message.content)
+                except ValueError as exc:
+                    log.info("batch %s try %d: %s", key[:8], attempt.retry_state.attempt_number, exc)
+                    raise Malformed(str(exc)) from exc
+    except (CallFailed, Malformed) as exc:  # after cfg.retries tries: counted by its message
+        return {"error": str(exc)}
+    try:
+        with warnings.catch_warnings():  # litellm's own pydantic serializer warnings are noise to the user
+            warnings.simplefilter("ignore")
+            cost = float(litellm.completion_cost(completion_response=response))
+    except Exception:  # litellm raises for models it has no price for
+        cost = None
+    row = {"key": key, "questions": questions, "cost": cost}
+    cache.add(row)
+    return {**row, "cached": False}
 
-    litellm.suppress_debug_info = True
-    params = {"api_base": cfg.base_url, "api_key": cfg.api_key or ("none" if cfg.base_url else None),
-              "timeout": cfg.timeout}
-    error = "no reply"
-    for attempt in range(cfg.retries):
-        try:
-            response = await litellm.acompletion(model=cfg.model, messages=batch_prompt(batch, cfg),
-                                                 temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                                 **{k: v for k, v in params.items() if v is not None})
-        except Exception as exc:  # network, auth, rate limit: retried, then counted (never with the key)
-            error = f"API error: {type(exc).__name__}"
-            log.warning("batch %s: %s: %s", key[:8], error, redact(str(exc)[:300], cfg.api_key))
-            if attempt + 1 < cfg.retries:
-                await asyncio.sleep(min(2 ** attempt, 10))
-            continue
-        try:
-            if not response.choices:  # an OpenAI-compatible server may answer 200 with no choice at all
-                raise ValueError("reply has no choices")
-            questions = parse_reply(response.choices[0].message.content)
-        except ValueError as exc:
-            error = str(exc)
-            log.info("batch %s try %d: %s", key[:8], attempt + 1, error)
-            continue
-        try:
-            with warnings.catch_warnings():  # litellm's own pydantic serializer warnings are noise to the user
-                warnings.simplefilter("ignore")
-                cost = float(litellm.completion_cost(completion_response=response))
-        except Exception:  # litellm raises for models it has no price for
-            cost = None
-        row = {"key": key, "questions": questions, "cost": cost}
-        cache.add(row)
-        return {**row, "cached": False}
-    return {"error": error}
+
+class CallFailed(Exception):
+    """The model API call raised (network, auth, rate limit); the message, "API error: <its type>", is what a failed
+    batch is counted under (the error's own text may quote the key)."""
+
+
+class Malformed(Exception):
+    """The reply is not JSON of the asked shape; the message says how."""
 
 
 # ----------------------------------------------------------------------------------------------
