@@ -145,7 +145,7 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert ((tmp_path / "third" / "demo.db").read_text() == "not ours"
             and (tmp_path / "third" / "results.jsonl").exists())
     assert sorted(p.name for p in max(tmp_path.glob("third-*"), key=lambda p: p.stat().st_mtime).iterdir()) == [
-        "eval_config.json", "report.html", "report.md", "results.jsonl", "summary.json"]
+        "report.html", "report.md", "results.jsonl", "summary.json"]
 
 
 def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
