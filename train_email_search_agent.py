@@ -34,7 +34,7 @@ from email_agent.apps import ask, export, serve
 from email_agent.data import build, enron_sample, generate
 from email_agent import cli, dashboard, runs
 from email_agent.serving import players
-from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, check, config_from_args, cpu_preset, run_dir
+from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, config_from_args, cpu_preset, run_dir
 from email_agent.errors import UserError
 from email_agent.runs import ART_DIR, PROJECT
 from email_agent.data.email_db import MAX_SEARCH_RESULTS, EmailDB, check_day, visible_until
@@ -210,8 +210,13 @@ def dashboard_command(args) -> None:
 # ---- train: the flags checked once, the run locked, then the loop (email_agent/training/loop.py) ----
 
 def train_command(args) -> None:
+    # here, not at the top: run_plan imports the agent (the OpenAI client); the other subcommands need none of it
+    from email_agent.training import run_plan
+
     cfg = config_from_args(args)
-    check(cfg)  # once, before the run's lock file is made and before ART loads (seconds)
+    # the first of the start-up checks (run_plan: flags, data, machine, resume), once, before the run's lock file
+    # is made and before ART loads (seconds); the loop asks the others
+    run_plan.check_flags(cfg)
     if preset := cpu_preset(args):
         print("CPU backend: the CPU preset's episode shape and batch ("
               + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in preset.items())

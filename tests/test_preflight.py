@@ -130,6 +130,21 @@ def test_step_metrics(demo_db, qs):
     assert re.search(r"loss -  trained on \d+% of groups, 0% of tokens  LEARNED NOTHING", idle) and "nan" not in idle
 
 
+def test_groups_spread_less_than_min_reward_std_train_at_their_mean(demo_db, qs):
+    """The loop's choice of what trains: a group whose rewards spread less than --min-reward-std gets its mean for
+    every rollout (zero advantages), any other is left as it was."""
+    close, apart, same = (record(demo_db, qs[:1], ["expert", "wrong"]) + record(demo_db, qs[1:2], ["expert", "wrong"])
+                          + record(demo_db, qs[2:3], ["idk", "idk"]))
+    close.trajectories[0].reward, close.trajectories[1].reward = 0.500, 0.501
+    assert loop.reward_spread(close) == pytest.approx(0.0005) and loop.reward_spread(apart) > 0.5
+    assert loop.reward_spread(art.TrajectoryGroup([])) == float("inf")  # nothing to flatten
+    flattened = loop.at_mean_reward(close)
+    assert [t.reward for t in flattened.trajectories] == [pytest.approx(0.5005)] * 2
+    assert [t.reward for t in close.trajectories] == [0.500, 0.501]  # a copy: the logged groups keep their rewards
+    assert flattened.trajectories[0].messages_and_choices == close.trajectories[0].messages_and_choices
+    assert loop.at_mean_reward(same).trajectories == same.trajectories  # equal rewards: their mean changes nothing
+
+
 def test_trajectories_too_long_to_train_are_counted(demo_db, qs):
     """ART's LocalBackend drops trajectories longer than max_seq_length from the update with a warning only."""
     groups = record(demo_db, qs[:2], ["expert", "wrong"]) + record(demo_db, qs[2:3], ["idk", "idk"])

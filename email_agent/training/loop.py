@@ -1,25 +1,30 @@
 """The training loop, read top to bottom: `train(cfg)` is the `train` command once its flags are checked.
 
-    plan = resolve(cfg)          everything that can refuse the run, before it is saved or a model loads (run_plan)
+    plan = resolve(cfg)          the start-up checks (data, machine, resume; flags before, by the command): all that
+                                 can refuse the run, before it is saved or a model loads (run_plan)
     the run opened               backend made, run saved, model registered, the policy served
     --preflight                  the next step up to its update: gathered, judged, its verdict told; then it stops
     warm start                   SFT on the expert's or a teacher's episodes, when one is due (warm_start)
     each GRPO step:
-        gather                   groups of rollouts of the step's questions (graded as each ends)
-        regrade                  answers a judge failed on while it was down, graded again once it answers
-                                 (judge_outages; nothing to do with offline grading or a judge that answers)
-        first step only          can GRPO learn from these groups? (step_health)
-        train                    the update, on the tokens as served (training_data.for_grpo, backend.train)
+        gather                   groups of rollouts of the step's questions, graded as each ends; answers a judge
+                                 failed on while it was down graded again once it answers (judge_outages)
+        measure                  what the groups offer GRPO (step_health); the first step says whether it can learn
+        decide what trains       groups whose rewards spread less than --min-reward-std get their mean: no update
+        update                   the backend's trainer, on the tokens as served (training_data.for_grpo)
         log                      model.log (history.jsonl, mirrored to TensorBoard), the step line, warnings
+                                 (step_health, asked once after the update)
         validate                 every --eval-every steps and at the end; then the checkpoints kept
 
-It owns the order of a run's calls, not what they do: rollouts are `agent.rollout`'s, rewards `agent.rewards`',
-health numbers and the verdict `step_health`'s, the update the backend's.
+It owns the order of a run's calls and one choice of the algorithm, which groups train (the ALGO LOGIC banner in
+`grpo`); not what the calls do: rollouts are `agent.rollout`'s, rewards `agent.rewards`', health numbers and the
+verdict `step_health`'s, the update the backend trainer's.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -29,7 +34,7 @@ import art
 from email_agent import backends, cli, dashboard, runs
 from email_agent.agent import grading, rewards
 from email_agent.agent.rollout import Policy
-from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines, run_dir, saved_config
+from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines
 from email_agent.data.questions import Question
 from email_agent.errors import UserError
 from email_agent.training import judge_outages, run_plan, step_health, training_data, warm_start
@@ -37,23 +42,24 @@ from email_agent.training.run_plan import Plan, note
 
 
 async def train(cfg: TrainConfig) -> None:
-    """A training run, or its preflight (`cfg` already refused by `config.check` if no run can use it)."""
-    plan = await run_plan.resolve(cfg)  # everything that can refuse the run, before anything is saved or loads
+    """A training run, or its preflight (`cfg`'s flags already refused if no run can use them: run_plan.check_flags)."""
+    plan = await run_plan.resolve(cfg)  # the start-up checks (data, machine, resume), before anything is saved or loads
     cfg = plan.config
     # fails here, before anything is saved, if it cannot run
     backend = plan.backend.make(plan.backend_settings)
-    new_run = not run_dir(cfg).exists()
-    runs.start(run_dir(cfg), saved_config(cfg, plan.backend.name), fresh=cfg.fresh, preflight=cfg.preflight)
+    new_run = not plan.run_folder.exists()
+    runs.start(plan.run_folder, plan.run_config, fresh=cfg.fresh, preflight=cfg.preflight)
     model = trainable_model(plan)
     print("\n".join(opening_summary(plan)), file=sys.stderr)
     # every row ART logs from here on (warm start, steps, validations; any backend) reaches TensorBoard as it lands
-    mirror = dashboard.Mirror(run_dir(cfg)).start() if cfg.tensorboard and not cfg.preflight else None
+    mirror = dashboard.Mirror(plan.run_folder).start() if cfg.tensorboard and not cfg.preflight else None
     try:
         await model.register(backend)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_concurrency=cfg.concurrency)
         tokenizer = plan.backend.tokenizer(backend, cfg.base_model)  # None: a remote backend renders
         arguments = training_data.argument_form(tokenizer.chat_template if tokenizer else None)
-        state = await runs.check_state(run_dir(cfg), plan.state, model)  # may reopen a warm start (deleted checkpoints)
+        # may reopen a warm start (deleted checkpoints)
+        state = await runs.check_state(plan.run_folder, plan.state, model)
         warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
         # (a warm start still to finish, even half done, comes before any RL step).
@@ -72,16 +78,16 @@ async def train(cfg: TrainConfig) -> None:
         if mirror is not None:
             mirror.close()
         if cfg.preflight and new_run:  # registering wrote a first checkpoint; a preflight leaves no run behind
-            shutil.rmtree(run_dir(cfg), ignore_errors=True)
+            shutil.rmtree(plan.run_folder, ignore_errors=True)
 
 
 async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, batches, sft_steps: int, tokenizer,
                arguments: training_data.ArgumentForm) -> None:
-    """GRPO's steps, each gathered, judged, trained on and logged, validated as due; then the checkpoints kept."""
+    """GRPO's steps, each gathered, measured, trained on and logged, validated as due; then the checkpoints kept."""
     cfg = plan.config
     if plan.backend.on_this_cpu:
         await say_what_a_cpu_step_costs(plan, policy, backend.max_num_seqs)
-    warnings = step_health.Warnings(cfg.temperature)
+    watch = step_health.Watch(cfg.temperature, cfg.max_seq_length)
     for batch in batches:
         if cfg.max_steps and batch.step >= cfg.max_steps:
             break
@@ -89,33 +95,54 @@ async def grpo(plan: Plan, model: art.TrainableModel, backend, policy: Policy, b
         if batch.step % cfg.eval_every == 0 and plan.val_questions and not (batch.step == 0 and sft_steps):
             print(await validate(plan, model, policy, step))
         started = time.perf_counter()
-        groups, health = await gather_and_measure(plan, policy, batch.items, step)
-        if batch.step == 0:  # a fresh run says at once whether it can learn
+        # gather: a group of rollouts per question, graded as each ends (a judge that is down is waited for)
+        groups = await gather_graded(plan, policy, batch.items, step)
+        # measure: what the groups offer GRPO; a fresh run says at once whether it can learn
+        health = step_health.measure(groups, time.perf_counter() - started, cfg.min_reward_std)
+        if batch.step == 0:
             verdict = say_whether_it_can_learn(plan, health, warm_start_pending=False)
             if verdict.cannot_learn and not cfg.train_anyway:  # not hours of steps that learn nothing
                 raise UserError(f"{verdict.headline.rstrip('.')}; stopped before its first update, with the run "
                                 f"kept (rerun with the fix to go on from here, or add --train-anyway to train "
                                 f"regardless).")
             print(f"{'' if verdict.ok else 'warning: '}{verdict.headline}", flush=True)
-        # ---- ALGO LOGIC: the GRPO update, on exactly the tokens the policy was served and sampled, of the
-        # groups whose rewards differ by more than judge noise ----
-        trained = training_data.for_grpo(groups, arguments, cfg.min_reward_std, tokenizer)
-        result = await backend.train(model, trained, learning_rate=cfg.learning_rate,
-                                     advantage_balance=cfg.advantage_balance, scale_rewards=cfg.scale_rewards)
-        learned = step_health.step_metrics(health, groups, result.metrics, cfg.max_seq_length)
-        await model.log(groups, split="train", metrics={**result.metrics, **learned}, step=result.step)
+        # ---- ALGO LOGIC: decide what trains. Rewards that spread less than --min-reward-std are judge noise
+        # (ART's std-scaled advantages would blow a 0.001 difference up to a full-size update): such a group
+        # gets its mean reward for every rollout, so its advantages are zero and GRPO trains none of it (ART
+        # still counts it as submitted). ----
+        trained = [at_mean_reward(group) if reward_spread(group) < cfg.min_reward_std else group
+                   for group in groups]
+        # update: the backend's trainer, on exactly the tokens the policy was served and sampled
+        result = await backend.train(model, training_data.for_grpo(trained, arguments, tokenizer),
+                                     learning_rate=cfg.learning_rate, advantage_balance=cfg.advantage_balance,
+                                     scale_rewards=cfg.scale_rewards)
+        # log: what the update learned from, to history.jsonl (mirrored to TensorBoard), the step line, warnings
+        step_report = watch.after_update(health, groups, result.metrics, result.step, time.perf_counter() - started)
+        await model.log(groups, split="train", metrics={**result.metrics, **step_report.metrics}, step=result.step)
         policy.model = model.get_inference_name()  # serve the new checkpoint from the next rollout on
-        print(step_health.step_line(result.step, groups, result.metrics, learned, time.perf_counter() - started),
-              flush=True)
-        for warning in warnings.after_step(health, learned):
+        print(step_report.line, flush=True)
+        for warning in step_report.warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
     step = await model.get_step()
     if plan.val_questions:
         print(await validate(plan, model, policy, step))
     if cfg.keep_checkpoints == "best":
         await backends.keep_latest_and_best(model, backend, step, also=(sft_steps,) if sft_steps else ())
-    print(f"done: {run_dir(cfg)} (step {step}); evaluate with "
+    print(f"done: {plan.run_folder} (step {step}); evaluate with "
           f"python test_email_search_agent.py --model {cfg.name}" + (" --demo" if cfg.demo else ""))
+
+
+def reward_spread(group: art.TrajectoryGroup) -> float:
+    """The population standard deviation of a group's rewards (inf for an empty group: nothing to flatten)."""
+    rewards = [t.reward for t in group.trajectories]
+    return statistics.pstdev(rewards) if rewards else math.inf
+
+
+def at_mean_reward(group: art.TrajectoryGroup) -> art.TrajectoryGroup:
+    """`group` with every rollout's reward set to the group's mean: GRPO's advantages are then all zero."""
+    mean = sum(t.reward for t in group.trajectories) / len(group.trajectories)
+    return group.model_copy(update={"trajectories": [t.model_copy(update={"reward": mean})
+                                                     for t in group.trajectories]})
 
 
 # ---- the run opened ------------------------------------------------------------------------------
@@ -139,14 +166,12 @@ def opening_summary(plan: Plan) -> list[str]:
 
 # ---- a step up to its update: gather, regrade, can it learn ---------------------------------------
 
-async def gather_and_measure(plan: Plan, policy: Policy, questions: list[Question], step: int
-                             ) -> tuple[list[art.TrajectoryGroup], step_health.Health]:
-    """A step up to its update (all of it that --preflight takes): its groups gathered and graded, and what they
-    offer GRPO."""
-    started = time.perf_counter()
+async def gather_graded(plan: Plan, policy: Policy, questions: list[Question], step: int
+                        ) -> list[art.TrajectoryGroup]:
+    """A step's groups gathered and graded: those a judge failed on while it was down are graded again once it
+    answers (all of a step up to its measure that --preflight takes too)."""
     groups = await gather(plan, policy, questions, step)
-    groups = await regrade_while_the_judge_is_down(plan, groups, step)
-    return groups, step_health.measure(groups, time.perf_counter() - started, plan.config.min_reward_std)
+    return await regrade_while_the_judge_is_down(plan, groups, step)
 
 
 async def gather(plan: Plan, policy: Policy, questions: list[Question], step: int) -> list[art.TrajectoryGroup]:
@@ -185,7 +210,7 @@ def say_whether_it_can_learn(plan: Plan, health: step_health.Health, warm_start_
     cfg = plan.config
     verdict = step_health.diagnose(health, reward_mode=plan.episode.reward, sft_from=cfg.sft_from,
                                    warm_start_pending=warm_start_pending)
-    space = runs.free_space_warning(run_dir(cfg))
+    space = runs.free_space_warning(plan.run_folder)
     print("\n".join(step_health.report(health, verdict, cfg.groups_per_step, cfg.rollouts_per_group, cfg.concurrency)
                     + ([f"  warning: {space}"] if space else [])), flush=True)
     return verdict
@@ -196,7 +221,9 @@ async def preflight(plan: Plan, policy: Policy, batch, sft_steps: int, warm_star
     UserError if GRPO cannot learn from it."""
     if batch is None:
         raise UserError(f"--preflight: run {plan.config.name!r} has no steps left to check (its epochs are done).")
-    _, health = await gather_and_measure(plan, policy, batch.items, batch.step + sft_steps)
+    started = time.perf_counter()
+    groups = await gather_graded(plan, policy, batch.items, batch.step + sft_steps)
+    health = step_health.measure(groups, time.perf_counter() - started, plan.config.min_reward_std)
     verdict = say_whether_it_can_learn(plan, health, warm_start_pending)
     if not verdict.ok:
         raise UserError(verdict.headline)

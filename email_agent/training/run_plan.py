@@ -1,9 +1,14 @@
-"""A training run resolved before anything loads: `resolve(cfg)` returns the `Plan` the loop (`training.loop`)
-follows: backend, base model, questions, the episode, the judge, what resumes, all plain data.
+"""A training run's start-up checks, in the order a user meets them, and the `Plan` they resolve: backend, base
+model, questions, the episode, the judge, what resumes, all plain data the loop (`training.loop`) follows.
 
-Everything that can refuse a run once its flags are checked (`config.check`) refuses here, in one sentence, before
-the run is saved or a model loads: a backend that cannot start, a judge that does not answer, a run that cannot
-resume, a teacher folder with nothing to learn from.
+    flags      values no run can use, names no folder can take, a run that could not learn (`check_flags`: the
+               `train` command asks before it locks the run and ART loads, so these take no seconds)
+    data       the inbox (`--demo`'s built when missing), its validation, warm-start and GRPO questions
+    machine    the backend can start here (`backends/readiness`), W&B's key, the judge answers, traces
+    resume     a run of this name can go on with these flags, its saved state reads, a teacher folder has
+               episodes to learn from
+
+Each refuses in one sentence (UserError) before the run is saved or a model loads (`resolve`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from email_agent import backends, runs
+from email_agent import backends, config, runs
 from email_agent.agent import grading
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import rollout
@@ -21,7 +26,6 @@ from email_agent.data import build
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import Question, training_questions
 from email_agent.errors import UserError
-from email_agent.training import warm_start
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Plan:
     ruler_model: str
     ruler_params: dict
     rl_steps: int  # GRPO steps the run will take in all (--max-steps, or its epochs' batches)
+    run_folder: Path  # <art-dir>/<project>/models/<name>
+    run_config: dict  # what run_config.json holds (config.saved_config)
     state: dict = field(default_factory=dict)  # what a resumed run saved (empty for a fresh one)
     sft_episodes: list | None = None  # the warm start's episodes, when one is still to run
     rollout: object = rollout  # the rollout function (traced with --wandb)
@@ -58,8 +64,22 @@ def note(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def check_flags(cfg: TrainConfig) -> None:
+    """Flags, the first of the start-up checks: refused in a second, before the run's lock file is made and ART
+    loads (whatever config.check holds: what `--help`'s declared ranges do not say)."""
+    config.check(cfg)
+
+
 async def resolve(cfg: TrainConfig) -> Plan:
-    """The run `cfg` asks for, resolved (or refused in one sentence); nothing is saved and no model loads."""
+    """The run `cfg` (its flags checked) asks for, checked in the order data, machine, resume, and resolved (or
+    refused in one sentence); nothing is saved and no model loads."""
+    # ---- data: the inbox and its questions
+    if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
+        build_demo_inbox(cfg.db)
+    db = EmailDB(cfg.db)
+    # validation, warm-start and GRPO questions, all from the train split (GRPO's with unanswerable replays)
+    val_questions, train_questions, rl_questions = training_questions(db, cfg)
+    # ---- machine: the backend can start here (told in seconds, before anything loads), W&B, the judge
     backend = backends.get(cfg.backend)
     gpu = backend.find_gpu()
     base_model = cfg.base_model or backend.default_base_model(backends.BackendSettings.of(cfg), gpu)
@@ -67,16 +87,13 @@ async def resolve(cfg: TrainConfig) -> Plan:
         base_model = backends.CPU_BASE_MODEL
     cfg = replace(cfg, base_model=base_model)
     settings = backends.BackendSettings.of(cfg)
-    ready = backend.readiness(settings, gpu)  # what an ART backend needs, told in seconds, before anything loads
+    ready = backend.readiness(settings, gpu)
     if ready is not None:
         print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
         if not ready.ok:
             raise UserError(f"--backend {backend.name} cannot start here; missing: " + "; ".join(ready.missing))
-    if cfg.demo and cfg.db == DEMO_DB and not Path(cfg.db).exists():  # elsewhere a missing --db is a typo
-        build_demo_inbox(cfg.db)
-    db = EmailDB(cfg.db)
-    # validation, warm-start and GRPO questions, all from the train split (GRPO's with unanswerable replays)
-    val_questions, train_questions, rl_questions = training_questions(db, cfg)
+    if backends.hide_wandb_key(backend.name, cfg.wandb):
+        note("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run")
     reward_mode, judge = grading.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
     if judge:
@@ -84,18 +101,23 @@ async def resolve(cfg: TrainConfig) -> Plan:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise UserError("--reward ruler needs --ruler-model or --judge-model.")
+    ruler_params = grading.ruler_params(judge, cfg.judge_base_url)
     episode = replace(Episode.shaped_as(cfg), reward=reward_mode, judge=judge,
                       hallucination_penalty=cfg.hallucination_penalty)
-    if backends.hide_wandb_key(backend.name, cfg.wandb):
-        note("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run")
-    # The run's state and the warm start's episodes are checked before the run is saved and the model loads
-    # (minutes on a GPU): a damaged state or a teacher folder with nothing to learn from fails first.
+    # ---- resume: before the run is saved and the model loads (minutes on a GPU), a run that cannot go on with
+    # these flags, a damaged state or a teacher folder with nothing to learn from fails first
+    run_config, folder = saved_config(cfg, backend.name), run_dir(cfg)
     state = {}
     if not cfg.fresh:
-        runs.check_resumable(run_dir(cfg), saved_config(cfg, backend.name))
-        state = runs.read_state(run_dir(cfg))
-    sft_episodes = (await warm_start.warm_start_episodes(cfg, db, train_questions, val_questions, episode)
-                    if cfg.sft_from and not state.get("sft_done") and not cfg.preflight else None)
+        runs.check_resumable(folder, run_config)
+        state = runs.read_state(folder)
+    sft_episodes = None
+    if cfg.sft_from and not state.get("sft_done") and not cfg.preflight:
+        # here, not at the top: warm_start imports ART (seconds), and the command asks `check_flags` before it loads
+        from email_agent.training import warm_start
+
+        sft_episodes = await warm_start.warm_start_episodes(cfg, db, train_questions, val_questions, episode)
+    # ---- set up, not checked: W&B traces start once nothing is left to refuse the run
     played = rollout
     if cfg.wandb:  # Weave traces of every rollout and judge call, beside ART's W&B metrics
         # here, not at the top: tests patch tracing.traced_rollout, so it is looked up at each call
@@ -104,5 +126,5 @@ async def resolve(cfg: TrainConfig) -> Plan:
         played = traced_rollout(cfg.project, rollout, judge)
     rl_steps = cfg.max_steps or cfg.num_epochs * -(-len(rl_questions) // cfg.groups_per_step)
     return Plan(cfg, backend, settings, db, val_questions, train_questions, rl_questions, episode, ruler_model,
-                grading.ruler_params(judge, cfg.judge_base_url), rl_steps, state, sft_episodes, played)
+                ruler_params, rl_steps, folder, run_config, state, sft_episodes, played)
 

@@ -4,7 +4,8 @@ Owns: pure functions from trajectory groups (and a backend's train metrics) to h
 on whether training would learn (with the likely fix, in one sentence) and the text the train command
 prints. GRPO learns only from groups whose rollouts got different rewards and whose assistant turns carry
 logprobs; everything else trains on nothing without failing, which is why this module exists.
-It never calls the model, the judge or a backend: the train loop gathers, this module reads.
+It never calls the model, the judge or a backend: the train loop gathers, this module reads, asked once before
+each update (`measure`; a fresh run's first step also gets the verdict) and once after it (`Watch.after_update`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 from art.trajectories import TrajectoryGroup
 from openai.types.chat.chat_completion import Choice
 
-from email_agent.training import training_data
 from email_agent.agent.grading import VERDICT_ERROR
 from email_agent.agent.rewards import RULER_ERROR, valid_tool_call_rate
 
@@ -123,6 +123,20 @@ def measure(groups: list[TrajectoryGroup], gather_s: float = 0.0, min_reward_std
     return h
 
 
+def sampled_tokens(groups: list[TrajectoryGroup]) -> int:
+    """Tokens the policy sampled in these groups (what GRPO can train on), counted from the Choices themselves:
+    ART's gather overwrites metrics["completion_tokens"] with a per-turn mean."""
+    return sum(len(item.logprobs.content or []) for group in groups for t in group.trajectories
+               for item in t.messages_and_choices if isinstance(item, Choice) and item.logprobs is not None)
+
+
+def too_long(groups: list[TrajectoryGroup], max_seq_length: int) -> int:
+    """Trajectories of groups GRPO learns from (rewards that differ) that are longer than `max_seq_length`: ART
+    drops them from the update with a warning only, so the step line counts them."""
+    return sum(t.metrics.get("sequence_tokens", 0) > max_seq_length for group in groups
+               if len({t.reward for t in group.trajectories}) > 1 for t in group.trajectories)
+
+
 def _std(values: list[float]) -> float:
     mean = sum(values) / len(values) if values else 0.0
     return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) if values else 0.0
@@ -141,16 +155,16 @@ def step_metrics(h: Health, groups: list[TrajectoryGroup], train_metrics: dict, 
     from the groups: sampled tokens of the groups with reward variance. `too_long` counts the trajectories ART
     leaves out of the update for exceeding `max_seq_length` (it only warns).
     """
-    sampled = training_data.sampled_tokens(groups)
+    sampled = sampled_tokens(groups)
     if "data/step_trainer_tokens" in train_metrics:
         trained = min(train_metrics["data/step_trainer_tokens"] / sampled, 1.0) if sampled else 0.0
     else:
-        usable = training_data.sampled_tokens([g for g in groups if learnable(g, h.min_reward_std)])
+        usable = sampled_tokens([g for g in groups if learnable(g, h.min_reward_std)])
         trained = usable / sampled if sampled else 0.0
     return {"trainable_group_share": h.trainable_share, "trained_token_share": trained,
             "ruler_errors": float(h.ruler_errors), "judge_errors": float(h.judge_errors),
             "close_groups": float(h.close_groups),
-            "too_long": float(training_data.too_long(groups, max_seq_length))}
+            "too_long": float(too_long(groups, max_seq_length))}
 
 
 def idle_cause(h: Health) -> str:
@@ -183,17 +197,34 @@ def low_variance_warning(trainable_shares: list[float], temperature: float | Non
             f"the policy answers most questions the same way in every rollout, and those groups teach nothing; {fix}")
 
 
-class Warnings:
-    """What the loop warns of as steps go by: `IDLE_STEPS_WARNING` steps in a row that trained on nothing (each
-    time), and groups without reward variance over the last steps (once per run)."""
+@dataclass
+class StepReport:
+    """What one step's update learned from: `metrics` for history.jsonl, the step `line`, the `warnings`."""
 
-    def __init__(self, temperature: float | None) -> None:
+    metrics: dict[str, float]
+    line: str
+    warnings: list[str]
+
+
+class Watch:
+    """The loop's one question after each update: what did it learn from (`StepReport`)? Warns of
+    `IDLE_STEPS_WARNING` steps in a row that trained on nothing (each time), and of groups without reward variance
+    over the last steps (once per run)."""
+
+    def __init__(self, temperature: float | None, max_seq_length: int) -> None:
         self.temperature = temperature
+        self.max_seq_length = max_seq_length
         self.idle_steps = 0  # steps in a row that trained on nothing
         self.trainable_shares: list[float] = []
         self.warned_low_variance = False
 
-    def after_step(self, h: Health, learned: dict) -> list[str]:
+    def after_update(self, h: Health, groups: list[TrajectoryGroup], train_metrics: dict, step: int,
+                     seconds: float) -> StepReport:
+        learned = step_metrics(h, groups, train_metrics, self.max_seq_length)
+        return StepReport(learned, step_line(step, groups, train_metrics, learned, seconds),
+                          self._warnings(h, learned))
+
+    def _warnings(self, h: Health, learned: dict) -> list[str]:
         warnings = []
         self.idle_steps = 0 if learned["trained_token_share"] else self.idle_steps + 1
         if self.idle_steps >= IDLE_STEPS_WARNING:
@@ -321,7 +352,7 @@ def step_line(step: int, groups: list[TrajectoryGroup], train_metrics: dict, lea
     return (f"step {step:>4}  reward {sum(t.reward for t in trajs) / max(len(trajs), 1):+.3f}  "
             f"accuracy {mean('answer_correct'):.0%}  turns {mean('num_turns'):.1f}  "
             f"bad calls {mean('bad_tool_args') + mean('bad_tool_name') + mean('parse_errors'):.2f}  "
-            f"tokens {training_data.sampled_tokens(groups) / max(len(trajs), 1):.0f}  {loss}  "
+            f"tokens {sampled_tokens(groups) / max(len(trajs), 1):.0f}  {loss}  "
             f"{what}{errors}  {seconds:.0f}s")
 
 

@@ -26,7 +26,6 @@ It does not tokenize (ART does) and knows nothing of backends: they receive what
 from __future__ import annotations
 
 import json
-import statistics
 from typing import Literal
 
 from art import Trajectory, TrajectoryGroup
@@ -151,38 +150,15 @@ def _trajectory(trajectory: Trajectory, form: ArgumentForm, tokenizer=None) -> T
             "tools": tools_as_served(history.tools)}) for history in trajectory.additional_histories]})
 
 
-def for_grpo(groups: list[TrajectoryGroup], form: ArgumentForm, min_reward_std: float = 0.0,
-             tokenizer=None) -> list[TrajectoryGroup]:
+def for_grpo(groups: list[TrajectoryGroup], form: ArgumentForm, tokenizer=None) -> list[TrajectoryGroup]:
     """A step's groups as every backend should tokenize them: each trained sequence is the prompt the server
     rendered plus the ids it sampled, turn after turn (with the model's `tokenizer`, the turns the tool parser kept
-    only part of are found: those are rendered as the server rendered them, and not trained on). A group whose rewards
-    spread less than `min_reward_std` (judge noise) gets one reward for all, its mean: ART then trains none of it
-    (zero advantages), and still counts it as submitted."""
-    prepared = []
-    for group in groups:
-        trajectories = [_trajectory(t, form, tokenizer) for t in group.trajectories]
-        rewards = [t.reward for t in trajectories]
-        if rewards and statistics.pstdev(rewards) < min_reward_std:
-            trajectories = [t.model_copy(update={"reward": sum(rewards) / len(rewards)}) for t in trajectories]
-        prepared.append(group.model_copy(update={"trajectories": trajectories}))
-    return prepared
-
+    only part of are found: those are rendered as the server rendered them, and not trained on). Rewards are left
+    as they are: which groups train is the loop's choice (`loop.grpo`)."""
+    return [group.model_copy(update={"trajectories": [_trajectory(t, form, tokenizer) for t in group.trajectories]})
+            for group in groups]
 
 
 def for_sft(trajectories: list[Trajectory], form: ArgumentForm) -> list[Trajectory]:
     """Warm-start episodes as chat messages the model's template renders the way the server would have."""
     return [_trajectory(t, form) for t in trajectories]
-
-
-def sampled_tokens(groups: list[TrajectoryGroup]) -> int:
-    """Tokens the policy sampled in these groups (what GRPO can train on), counted from the Choices themselves:
-    ART's gather overwrites metrics["completion_tokens"] with a per-turn mean."""
-    return sum(len(item.logprobs.content or []) for group in groups for t in group.trajectories
-               for item in t.messages_and_choices if isinstance(item, Choice) and item.logprobs is not None)
-
-
-def too_long(groups: list[TrajectoryGroup], max_seq_length: int) -> int:
-    """Trajectories of groups GRPO learns from (rewards that differ) that are longer than `max_seq_length`: ART
-    drops them from the update with a warning only, so the step line counts them."""
-    return sum(t.metrics.get("sequence_tokens", 0) > max_seq_length for group in groups
-               if len({t.reward for t in group.trajectories}) > 1 for t in group.trajectories)
