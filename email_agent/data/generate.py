@@ -1,11 +1,11 @@
 """Writing a question set for any inbox with an LLM, as ART·E made its own (art.md A6).
 
 Owns: batching one inbox's emails, the prompt, calling the model (any litellm name, or any OpenAI-compatible
-endpoint with `base_url`), its reply cache, the estimate of what a run will send and cost (told before anything
-is sent, to a `confirm` that may stop it), and writing the accepted questions into the database's `questions`
-table in one transaction. Whether a candidate may be stored, and its split, is `question_checks`'. It sits
-beside `build`, with SQL of its own (`EmailDB` is read-only); the CLI's `generate-questions` is a thin layer over
-`generate_questions`.
+endpoint with `base_url`; retried as `model_api` retries every model call), its reply cache, the estimate of what a
+run will send and cost (told before anything is sent, to a `confirm` that may stop it), and writing the accepted
+questions into the database's `questions` table in one transaction. Whether a candidate may be stored, and its
+split, is `question_checks`'. It sits beside `build`, with SQL of its own (`EmailDB` is read-only); the CLI's
+`generate-questions` is a thin layer over `generate_questions`.
 
 What is guaranteed:
 - Nothing fabricated is stored: a candidate must cite emails that exist, belong to the inbox and were in the
@@ -337,6 +337,15 @@ def cache_path(db_path: str | Path) -> Path:
     return Path(str(db_path) + ".questions-cache.jsonl")
 
 
+class CallFailed(Exception):
+    """The model API call raised (network, auth, rate limit); the message, "API error: <its type>", is what a failed
+    batch is counted under (the error's own text may quote the key)."""
+
+
+class Malformed(Exception):
+    """The reply is not JSON of the asked shape; the message says how."""
+
+
 async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dict:
     """{"questions": [...], "cost": float | None, "cached": bool} or {"error": reason} after cfg.retries tries."""
     key = batch.key(cfg)
@@ -377,15 +386,6 @@ async def ask_model(batch: Batch, cfg: GenerateConfig, cache: ReplyCache) -> dic
     row = {"key": key, "questions": questions, "cost": cost}
     cache.add(row)
     return {**row, "cached": False}
-
-
-class CallFailed(Exception):
-    """The model API call raised (network, auth, rate limit); the message, "API error: <its type>", is what a failed
-    batch is counted under (the error's own text may quote the key)."""
-
-
-class Malformed(Exception):
-    """The reply is not JSON of the asked shape; the message says how."""
 
 
 # ----------------------------------------------------------------------------------------------
