@@ -192,6 +192,31 @@ def test_a_model_that_cannot_answer_stops_the_run_after_the_first_window(db_path
     assert len(server.requests) == 2  # one batch, its two tries; the other two batches never asked
 
 
+def test_a_failed_call_is_asked_again_after_a_doubling_wait_and_a_malformed_reply_at_once(db_path, monkeypatch):
+    """Catches: a failing API hammered without waiting, waits that grow otherwise than 1 s, 2 s ..., or a wait
+    after a reply that only did not parse (the model answered: asking again at once is fine). The waits are
+    recorded, not slept."""
+    import asyncio
+
+    import tenacity.asyncio  # noqa: F401  (sleeps through asyncio.sleep, looked up at each wait)
+
+    waits, real_sleep = [], asyncio.sleep
+    monkeypatch.setattr(asyncio, "sleep", lambda seconds: waits.append(seconds) or real_sleep(0))
+    calls: dict[str, int] = {}
+
+    def flaky(body):  # each batch: a bad key twice, a reply that is not JSON, then a good reply
+        key = shown_ids(body)[0]
+        calls[key] = calls.get(key, 0) + 1
+        return [{"status": 401}, {"status": 400}, {"text": "Sure!"}][calls[key] - 1] if calls[key] <= 3 \
+            else good_and_bad(body)
+
+    with serve_in_thread({"gen": flaky}) as server:
+        summary = generate.generate_questions(db_path, config(server.base_url, retries=4, concurrency=1),
+                                              progress=False)
+    assert len(server.requests) == 12 and summary.batches == 3 and not summary.failed_batches
+    assert [w for w in waits if w] == [1, 2] * 3
+
+
 def test_a_model_that_fails_for_some_batches_loses_only_those(db_path):
     def some(body):
         return {"status": 500} if "<m0@x>" in shown_ids(body) else good_and_bad(body)
