@@ -28,7 +28,7 @@ from email_agent.agent.ruler import ruler_group, ruler_params  # noqa: F401  (tr
                                                                # still ask grading for RULER's)
 from email_agent.errors import UserError
 
-if TYPE_CHECKING:  # annotations only: episode holds a judge, not this module
+if TYPE_CHECKING:  # annotations only
     from email_agent.agent.episode import Episode
     from email_agent.data.questions import Question
 
