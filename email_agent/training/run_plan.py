@@ -2,13 +2,14 @@
 model, questions, the episode, the judge, what resumes, all plain data the loop (`training.loop`) follows.
 
     flags      values no run can use, names no folder can take, a run that could not learn (`check_flags`: the
-               `train` command asks before it locks the run and ART loads, so these take no seconds)
+               `train` command asks before it locks the run and ART loads, so they are told in a second)
     data       the inbox (`--demo`'s built when missing), its validation, warm-start and GRPO questions
-    machine    the backend can start here (`backends/readiness`), W&B's key, the judge answers, traces
+    machine    the backend can start here (`backends/readiness`), W&B's key, the judge answers
     resume     a run of this name can go on with these flags, its saved state reads, a teacher folder has
                episodes to learn from
 
-Each refuses in one sentence (UserError) before the run is saved or a model loads (`resolve`).
+Each refuses in one sentence (UserError) before the run is saved or a model loads; `resolve` asks all but the
+flags, in this order, then starts W&B's traces (with --wandb), which refuse nothing.
 """
 
 from __future__ import annotations
