@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
 import os
 import signal
 import sqlite3
 import sys
 import time
+import typing
 import warnings
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import MISSING, fields
 
 from email_agent.data.email_db import DEMO_DB
+from email_agent import settings
 from email_agent.errors import UserError
 from email_agent.runs import storage_problem
 
@@ -123,23 +124,33 @@ def check_text_arguments(argv: list[str]) -> None:
 
 def add_dataclass_flags(parser, cls) -> None:
     """One flag per field of the dataclass `cls` (`--max-turns` for max_turns), each defaulting to None so that
-    only flags given on the command line override; a field's comment in the source is its help text."""
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        name, _, rest = line.strip().partition(":")
-        if "#" in rest:
-            comments[name] = rest.split("#", 1)[1].strip()
+    only flags given on the command line override (a preset, a saved config, the field's default); its help is the
+    field's declared help (`settings.setting`), its default and the values it allows."""
+    hints = typing.get_type_hints(cls)
     for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        default = (f" (default: {'on' if f.default else 'off'})" if f.type == "bool" else
-                   "" if f.default == "" else f" (default {f.default!r})")  # "": the comment says what it means
-        help_text = comments.get(f.name, "") + default
+        kind = settings.kind(hints[f.name])
+        allowed = settings.allowed(f)
+        default = ("" if kind is bool or f.default in ("", None, MISSING) else  # "", None: the help says what
+                   f"default {f.default!r}")
+        said = "; ".join(filter(None, (default, allowed if not f.metadata.get("choices") else "")))
+        help_text = f.metadata.get("help", "") + (f" ({said})" if said else "")
         help_text = help_text.replace("%", "%%")  # argparse %-formats help text: "10% warm-up" would crash --help
-        if f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{help_text} (default: {'on' if f.default else 'off'})")
+        elif typing.get_origin(kind) is list:
+            parser.add_argument(flag, action="append", default=None, metavar=f.metadata.get("metavar"),
+                                help=help_text)
         else:
-            parser.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None,
-                                metavar=f.name.upper(), help=help_text)
+            choices = f.metadata.get("choices")
+            metavar = "{" + ",".join(choices) + "}" if choices else f.metadata.get("metavar") or f.name.upper()
+            parser.add_argument(flag, type=kind, default=None, metavar=metavar, help=help_text)
+
+
+def given_flags(args: argparse.Namespace, cls) -> dict:
+    """The fields of `cls` given on the command line (those `add_dataclass_flags` made, not None)."""
+    return {f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None}
 
 
 def show_switch_defaults(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
-"""A training run's configuration: the typed `TrainConfig` (one flag per field, its comment the help text), the
-presets (`--demo`, and the CPU backend's episode shape and batch), the checks made before anything loads, and
-what is saved beside the run (`run_config.json`) and told at its start.
+"""A training run's configuration: the typed `TrainConfig` (one flag per field, declared with its help and the
+values it allows: `settings.setting`), the presets (`--demo`, and the CPU backend's episode shape and batch), the
+checks made before anything loads, and what is saved beside the run (`run_config.json`) and told at its start.
 
 The training loop itself is email_agent/training/loop.py; this module owns no behaviour of it.
 """
@@ -8,11 +8,11 @@ The training loop itself is email_agent/training/loop.py; this module owns no be
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from email_agent import backends
+from email_agent import backends, settings
+from email_agent.settings import setting
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import UserError
 from email_agent.agent.episode import SHAPE, Episode
@@ -28,65 +28,87 @@ DEMO_DB = email_db.DEMO_DB
 @dataclass
 class TrainConfig:
     # run
-    name: str = "agent"  # run name: checkpoints and logs go to <art-dir>/<project>/models/<name>
-    project: str = PROJECT  # ART project (also the W&B project)
-    art_dir: str = ART_DIR  # where runs live
-    fresh: bool = False  # delete an existing run of this name and start over (otherwise it resumes)
-    preflight: bool = False  # gather one step's groups, say if GRPO can learn from them (exit 1 if not); trains nothing
-    train_anyway: bool = False  # train even when the first step's check says GRPO cannot learn (otherwise it stops)
-    seed: int = 0  # one seed for question order, sampling and LoRA init
-    backend: str = "auto"  # cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu
-    base_model: str = ""  # GPU: the largest Qwen2.5-Instruct the card fits (7B: 24-40 GB, 14B: 80 GB); CPU: SmolLM2
+    name: str = setting("agent", "run name: checkpoints and logs go to <art-dir>/<project>/models/<name>")
+    project: str = setting(PROJECT, "ART project (also the W&B project)")
+    art_dir: str = setting(ART_DIR, "where runs live")
+    fresh: bool = setting(False, "delete an existing run of this name and start over (otherwise it resumes)")
+    preflight: bool = setting(
+        False, "gather one step's groups, say if GRPO can learn from them (exit 1 if not); trains nothing")
+    train_anyway: bool = setting(
+        False, "train even when the first step's check says GRPO cannot learn (otherwise it stops)")
+    seed: int = setting(0, "one seed for question order, sampling and LoRA init")
+    backend: str = setting("auto", "cpu | local (GPU) | serverless | tinker; auto: local with CUDA, else cpu")
+    base_model: str = setting(
+        "", "GPU: the largest Qwen2.5-Instruct the card fits (7B: 24-40 GB, 14B: 80 GB); CPU: SmolLM2")
     # data
-    demo: bool = False  # the bundled demo inbox (builds data/demo.db if missing) with the small CPU preset
-    db: str = DEFAULT_DB  # database from build-db
-    train_limit: int = 0  # use only the first N training questions (0: all)
-    val_size: int = 100  # validation questions, held out of the *train* split (the test split stays unseen)
-    single_source: bool = True  # only questions answered by one email (as ART·E trains)
-    min_realistic: float = 0.0  # only questions with how_realistic >= this
-    unanswerable_share: float = 0.0  # share of GRPO questions asked before their gold email came (best: I don't know)
+    demo: bool = setting(False, "the bundled demo inbox (builds data/demo.db if missing) with the small CPU preset")
+    db: str = setting(DEFAULT_DB, "database from build-db")
+    train_limit: int = setting(0, "use only the first N training questions (0: all)", ge=0)
+    val_size: int = setting(
+        100, "validation questions, held out of the *train* split (the test split stays unseen)", ge=0)
+    single_source: bool = setting(True, "only questions answered by one email (as ART·E trains)")
+    # ART·E's how_realistic scores run from 0 to 1
+    min_realistic: float = setting(0.0, "only questions with how_realistic >= this", ge=0, le=1)
+    unanswerable_share: float = setting(
+        0.0, "share of GRPO questions asked before their gold email came (best: I don't know)", ge=0, lt=1)
     # ---- ALGO LOGIC: GRPO hyperparameters (ART·E agent_008 on GPU) ----
-    groups_per_step: int = 12  # questions per step
-    rollouts_per_group: int = 4  # rollouts per question; GRPO compares them
-    num_epochs: int = 3  # passes over the training questions
-    max_steps: int = 0  # stop after this many RL steps in total (0: run all epochs)
-    learning_rate: float = 1.2e-5
-    advantage_balance: float = 0.0  # ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)
-    scale_rewards: bool = True  # divide each group's advantages by its reward std (as ART); off (--demo): Dr. GRPO
-    max_turns: int = Episode.max_turns  # agent turns per question
-    max_tokens: int = Episode.max_tokens  # tokens per model reply
-    max_body_chars: int = Episode.max_body_chars  # read_email cuts longer bodies
-    search_results: int = Episode.search_results  # results per search when the model does not ask for a number
-    temperature: float = 1.0  # rollout sampling temperature
-    eval_every: int = 30  # validate every N steps (and at the end)
-    keep_checkpoints: str = "best"  # best: keep the latest and the best (val/reward) checkpoint; all: keep every one
+    groups_per_step: int = setting(12, "questions per step", ge=1)
+    rollouts_per_group: int = setting(4, "rollouts per question; GRPO compares them", ge=1)
+    num_epochs: int = setting(3, "passes over the training questions", ge=1)
+    max_steps: int = setting(0, "stop after this many RL steps in total (0: run all epochs)", ge=0)
+    learning_rate: float = setting(1.2e-5, "GRPO's learning rate", gt=0, finite=True)
+    advantage_balance: float = setting(
+        0.0, "ART's knob, -1..1: >0 scales negative advantages by (1 - x) (0: balanced)", ge=-1, le=1)
+    scale_rewards: bool = setting(
+        True, "divide each group's advantages by its reward std (as ART); off (--demo): Dr. GRPO")
+    max_turns: int = setting(Episode.max_turns, "agent turns per question", ge=1)
+    max_tokens: int = setting(Episode.max_tokens, "tokens per model reply", ge=1)
+    max_body_chars: int = setting(Episode.max_body_chars, "read_email cuts longer bodies", ge=1)
+    search_results: int = setting(
+        Episode.search_results, "results per search when the model does not ask for a number", ge=1)
+    temperature: float = setting(1.0, "rollout sampling temperature", ge=0, finite=True)
+    eval_every: int = setting(30, "validate every N steps (and at the end)", ge=1)
+    keep_checkpoints: str = setting("best", "best: keep the latest and the best (val/reward) checkpoint; all: keep "
+                                    "every one", choices=("best", "all"))
     # rewards
-    reward: str = ""  # offline | shaped | judge | ruler; default: shaped with a judge, offline without
-    judge_model: str = ""  # litellm model name of the judge (or JUDGE_MODEL)
-    judge_base_url: str = ""  # api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE)
-    ruler_model: str = ""  # judge for --reward ruler (default: the judge model)
-    hallucination_penalty: float = 1.0  # what a wrong answer costs (offline/shaped); higher: answers only when surer
-    judge_patience: float = 600.0  # seconds a step waits for a failing judge (5xx, 429, timeouts) before the run stops
-    min_reward_std: float = 0.01  # a group whose rewards spread less (std) is judge noise: not trained on
+    reward: str = setting("", "offline | shaped | judge | ruler; default: shaped with a judge, offline without")
+    judge_model: str = setting("", "litellm model name of the judge (or JUDGE_MODEL)")
+    judge_base_url: str = setting("", "api_base for the judge, e.g. http://localhost:6688 (or JUDGE_API_BASE)")
+    ruler_model: str = setting("", "judge for --reward ruler (default: the judge model)")
+    # below ART·E's 1, a wrong answer could beat a sound "I don't know"
+    hallucination_penalty: float = setting(
+        1.0, "what a wrong answer costs (offline/shaped); higher: answers only when surer", ge=1)
+    judge_patience: float = setting(
+        600.0, "seconds a step waits for a failing judge (5xx, 429, timeouts) before the run stops", ge=0, finite=True)
+    min_reward_std: float = setting(
+        0.01, "a group whose rewards spread less (std) is judge noise: not trained on", ge=0, finite=True)
     # warm start (supervised, before RL)
-    sft_from: str = ""  # expert (a scripted expert on the train questions), or a teacher's evaluation folder
-    sft_only: bool = False  # stop after the warm start
-    sft_limit: int = 0  # use at most N warm-start trajectories (0: all)
-    sft_epochs: int = 1  # passes over the warm-start trajectories (one checkpoint each)
-    sft_learning_rate: float = 1e-4  # peak (a GPU's 7B model); the CPU backend's default is 1e-3, constant
-    sft_batch_size: int = 8  # trajectories per optimiser step
-    sft_schedule: str = "linear"  # rate over all warm-start batches: linear/cosine to 0 after 10% warm-up, or constant
+    sft_from: str = setting("", "expert (a scripted expert on the train questions), or a teacher's evaluation folder")
+    sft_only: bool = setting(False, "stop after the warm start")
+    sft_limit: int = setting(0, "use at most N warm-start trajectories (0: all)", ge=0)
+    sft_epochs: int = setting(1, "passes over the warm-start trajectories (one checkpoint each)", ge=1)
+    sft_learning_rate: float = setting(
+        1e-4, "peak (a GPU's 7B model); the CPU backend's default is 1e-3, constant", gt=0, finite=True)
+    sft_batch_size: int = setting(8, "trajectories per optimiser step", ge=1)
+    sft_schedule: str = setting("linear", "rate over all warm-start batches: linear/cosine to 0 after 10% warm-up, or "
+                                "constant", choices=("constant", "linear", "cosine"))
     # GPU (local backend) memory settings and LoRA shape
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    gpu_memory_utilization: float = 0.8  # vLLM's share of the GPU; 0.6-0.7 when a 7B run shares a 24 GB card
-    max_seq_length: int = 8192  # trainer and vLLM context
-    enforce_eager: bool = False  # skip CUDA-graph capture (saves memory on 24 GB cards)
-    max_num_seqs: int = 64  # concurrent sequences in vLLM
-    concurrency: int = 32  # simultaneous rollouts
-    cpu_train_threads: int = 0  # torch threads for CPU training (0: the cores it may use; 1 if jobs share them)
-    wandb: bool = False  # log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)
-    tensorboard: bool = True  # every step's metrics as TensorBoard curves in the run folder (open: `dashboard`)
+    lora_rank: int = setting(8, "LoRA rank", ge=1)
+    lora_alpha: int = setting(16, "LoRA alpha", ge=1)
+    gpu_memory_utilization: float = setting(0.8, "vLLM's share of the GPU; 0.6-0.7 when a 7B run shares a 24 GB card",
+                                            gt=0, le=1,
+                                            refusal="is a share of the GPU's memory, above 0 and at most 1,")
+    max_seq_length: int = setting(8192, "trainer and vLLM context", ge=1)
+    enforce_eager: bool = setting(False, "skip CUDA-graph capture (saves memory on 24 GB cards)")
+    max_num_seqs: int = setting(64, "concurrent sequences in vLLM", ge=1)
+    concurrency: int = setting(32, "simultaneous rollouts", ge=1)
+    cpu_train_threads: int = setting(
+        0, "torch threads for CPU training (0: the cores it may use; 1 if jobs share them)", ge=0)
+    wandb: bool = setting(False, "log to W&B too (needs WANDB_API_KEY; WANDB_MODE=offline works)")
+    tensorboard: bool = setting(
+        True, "every step's metrics as TensorBoard curves in the run folder (open: `dashboard`)")
+
+
 
 
 # The small CPU preset `--demo` applies (flags given explicitly still win): minutes per step on 2 cores. Each value
@@ -152,8 +174,8 @@ def wandb_installed() -> bool:
 
 def check(cfg: TrainConfig) -> None:
     """A run's flags, checked once (by the `train` command, before the run's lock file is made and ART loads):
-    values no run can use, a run that could not learn (`check_warm_start`), names no folder can take; each refused
-    with one sentence."""
+    values no run can use (each field's declared range, `settings.check`, and what depends on two fields), a run
+    that could not learn (`check_warm_start`), names no folder can take; each refused with one sentence."""
     if cfg.preflight and cfg.fresh and run_dir(cfg).exists():
         raise UserError(f"--preflight with --fresh would delete run {cfg.name!r}; "
                         "preflight without --fresh, or under another --name.")
@@ -162,36 +184,7 @@ def check(cfg: TrainConfig) -> None:
                         "pip install wandb==0.25.0 (what ART's GPU extra, requirements-gpu.txt, brings).")
     backends.cpu_dtype()  # an environment variable mistyped would otherwise stop the CPU trainer minutes in
     backends.check_model_folder(cfg.base_model)
-    if cfg.keep_checkpoints not in ("best", "all"):
-        raise UserError("--keep-checkpoints is best or all")
-    if not -1 <= cfg.advantage_balance <= 1:
-        raise UserError(f"--advantage-balance must be between -1 and 1, not {cfg.advantage_balance}")
-    if cfg.sft_schedule not in ("constant", "linear", "cosine"):
-        raise UserError(f"--sft-schedule is constant, linear or cosine, not {cfg.sft_schedule!r}")
-    if not cfg.hallucination_penalty >= 1:  # below ART·E's 1 a wrong answer could beat a sound "I don't know"
-        raise UserError(f"--hallucination-penalty must be at least 1, not {cfg.hallucination_penalty}")
-    for key in ("learning_rate", "sft_learning_rate"):
-        if not 0 < getattr(cfg, key) < math.inf:
-            raise UserError(f"--{key.replace('_', '-')} must be above 0, not {getattr(cfg, key)}")
-    if not 0 <= cfg.temperature < math.inf:
-        raise UserError(f"--temperature must be at least 0, not {cfg.temperature}")
-    if not 0 <= cfg.min_realistic <= 1:  # ART·E's how_realistic scores run from 0 to 1
-        raise UserError(f"--min-realistic must be between 0 and 1, not {cfg.min_realistic}")
-    for key in ("judge_patience", "min_reward_std"):
-        if not 0 <= getattr(cfg, key) < math.inf:
-            raise UserError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
-    if not 0 <= cfg.unanswerable_share < 1:
-        raise UserError(f"--unanswerable-share must be at least 0 and below 1, not {cfg.unanswerable_share}")
-    for key in ("groups_per_step", "rollouts_per_group", "num_epochs", "eval_every", "concurrency", "sft_epochs",
-                "sft_batch_size", *SHAPE, "lora_rank", "lora_alpha", "max_num_seqs", "max_seq_length"):
-        if getattr(cfg, key) < 1:
-            raise UserError(f"--{key.replace('_', '-')} must be at least 1, not {getattr(cfg, key)}")
-    if not 0 < cfg.gpu_memory_utilization <= 1:  # vLLM's share of the card
-        raise UserError(f"--gpu-memory-utilization is a share of the GPU's memory, above 0 and at most 1, not "
-                        f"{cfg.gpu_memory_utilization}")
-    for key in ("val_size", "train_limit", "sft_limit", "max_steps", "cpu_train_threads"):
-        if getattr(cfg, key) < 0:
-            raise UserError(f"--{key.replace('_', '-')} must be at least 0, not {getattr(cfg, key)}")
+    settings.check(cfg)  # each field's declared choices and range
     if cfg.sft_only and not cfg.sft_from:
         raise UserError("--sft-only stops after the warm start, and --sft-from names none; give --sft-from "
                         "expert or an evaluation folder")

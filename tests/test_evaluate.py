@@ -145,7 +145,7 @@ def test_rejudge_with_an_llm_judge(demo_db_path, demo_questions, tmp_path):
     assert ((tmp_path / "third" / "demo.db").read_text() == "not ours"
             and (tmp_path / "third" / "results.jsonl").exists())
     assert sorted(p.name for p in max(tmp_path.glob("third-*"), key=lambda p: p.stat().st_mtime).iterdir()) == [
-        "report.html", "report.md", "results.jsonl", "summary.json"]
+        "eval_config.json", "report.html", "report.md", "results.jsonl", "summary.json"]
 
 
 def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_path, demo_questions, tmp_path,
@@ -183,6 +183,46 @@ def test_grounded_answers_withhold_invented_answers_live_and_on_rejudge(demo_db_
     (tmp_path / "old" / "results.jsonl").write_text(json.dumps(old) + "\n")
     assert run_cli("--rejudge", tmp_path / "old", "--grounded-answers", "--output", tmp_path / "old-on") == 0
     assert json.loads((tmp_path / "old-on" / "results.jsonl").read_text())["withheld"] == live["withheld"]
+
+
+def test_eval_config_is_saved_beside_the_report_and_read_back_by_rejudge_and_a_rerun(demo_db_path, demo_questions,
+                                                                                        tmp_path, capsys):
+    """eval_config.json holds every setting but the API key; --rejudge takes what was played from it (the flags
+    it takes, how answers are scored, from the command line), and --config starts a run from it, flags winning."""
+    scripts = {"expert": {q.question: expert_script(q) for q in demo_questions}}
+    with serve_in_thread(scripts) as server:
+        assert run_cli("--db", demo_db_path, "--model", "hosted_vllm/expert", "--base-url", server.base_url,
+                       "--api-key", "sk-never-on-disk-123", "--limit", 2, "--max-turns", 5, "--grounded-answers",
+                       "--output", tmp_path / "first", "--art-dir", tmp_path / "art") == 0
+        assert (f"settings: --model hosted_vllm/expert --db {demo_db_path} --limit 2 --max-turns 5"
+                in capsys.readouterr().err)  # told at the start, as training tells its config
+        saved = json.loads((tmp_path / "first" / "eval_config.json").read_text())
+        assert (saved["model"], saved["db"], saved["limit"], saved["max_turns"], saved["grounded_answers"]) == (
+            ["hosted_vllm/expert"], str(demo_db_path), 2, 5, True)
+        assert "api_key" not in saved and "output" not in saved and "sk-never" not in json.dumps(saved)
+
+        assert run_cli("--rejudge", tmp_path / "first", "--output", tmp_path / "again") == 0
+        rejudged = json.loads((tmp_path / "again" / "eval_config.json").read_text())
+        assert {k: rejudged[k] for k in ("model", "db", "limit", "max_turns")} == {
+            k: saved[k] for k in ("model", "db", "limit", "max_turns")}  # what was played, read back
+        assert rejudged["rejudge"] == str(tmp_path / "first") and rejudged["grounded_answers"] is False
+
+        assert run_cli("--config", tmp_path / "first" / "eval_config.json", "--limit", 3, "--no-grounded-answers",
+                       "--output", tmp_path / "rerun") == 0
+    rerun = json.loads((tmp_path / "rerun" / "eval_config.json").read_text())
+    assert rerun == {**saved, "limit": 3, "grounded_answers": False}  # the flags given win, the rest read back
+    results = [json.loads(line) for line in (tmp_path / "rerun" / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 3 and {r["max_turns"] for r in results} == {5}
+
+
+def test_a_saved_config_of_the_wrong_kind_is_one_sentence(tmp_path, capsys):
+    (tmp_path / "eval_config.json").write_text('{"limit": "2"}')
+    assert run_cli("--config", tmp_path / "eval_config.json", "--model", "base", "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'eval_config.json'}: limit is '2'" in err and "Traceback" not in err
+    (tmp_path / "eval_config.json").write_text('{"limit": 0}')  # the declared range holds for a saved value too
+    assert run_cli("--config", tmp_path / "eval_config.json", "--model", "base", "--output", tmp_path / "out") == 1
+    assert "--limit must be at least 1, not 0" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 JUDGE_OK = {judge_request(*JUDGE_PROBE): [{"text": '{"reasoning": "same room", "accept": true}'}]}
@@ -331,6 +371,7 @@ def test_probe_refused_key_and_unknown_model(demo_db_path, tmp_path, capsys, ser
     (["--timeout", "0"], "--timeout is seconds per model request, more than 0; not 0.0"),
     (["--temperature", "nan"], "--temperature must be between 0 and 2, not nan"),
     (["--temperature", "-1"], "--temperature must be between 0 and 2, not -1.0"),
+    (["--reward", "rlhf"], "--reward is offline, shaped, judge or ruler, not 'rlhf'"),
     (["--rejudge", "eval/x", "--model", "base", "--limit", "3"], "runs no model, so --model, --limit, --db would"),
     (["--model", "base\udcff"], "the argument 'base\\xff' is not UTF-8 text"),
 ])

@@ -77,7 +77,7 @@ def check_output(out: Path) -> None:
                         f"user cannot write; give another --output")
 
 
-OUTPUT_FILES = ("results.jsonl", "summary.json", "report.md", "report.html")  # what an evaluation writes
+OUTPUT_FILES = ("results.jsonl", "summary.json", "report.md", "report.html", "eval_config.json")  # what it writes
 
 
 def keep_previous(out: Path) -> None:

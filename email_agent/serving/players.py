@@ -1,24 +1,24 @@
-"""Evaluation: who plays, served the way it was trained, and checked before it plays.
+"""Who plays: a model opened to play episodes, served the way it was trained, and checked before it plays.
 
 Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
 `Contestant` with a ready policy (a run on its own backend, served by `servers.Servers`: CPU on one vLLM server
 per base model, ART's LocalBackend / vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted
-model behind an OpenAI-compatible endpoint); the flags and --model values checked before anything is served;
-`Schedule`, who plays when; `probe`, one cheap request that fails fast on an unreachable server, a refused key or
-an unknown model. `test_email_search_agent.py`, `ask` and `serve` are thin layers over this. What one answer
-records is `records`'; it does not render reports (see `report`) and plays episodes only through `rollout`.
+model behind an OpenAI-compatible endpoint); the --model values checked before anything is served (the other
+settings are checked by `email_agent.eval_config`); `Schedule`, who plays when; `probe`, one cheap request that
+fails fast on an unreachable server, a refused key or an unknown model. `test_email_search_agent.py`, `ask` and
+`serve` are thin layers over this. What one answer records is `records`'; it does not render reports (see
+`report`) and plays episodes only through `rollout`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from email_agent.agent.episode import SHAPE, Episode
+from email_agent.agent.episode import Episode
 from email_agent import backends
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import UserError
@@ -72,32 +72,6 @@ def served_here(backend: str) -> bool:
     """A contestant of `backend` (a backend's name, or "api" for a prompted model) is served by this project's vLLM
     on this machine (base and CPU runs): such models take turns (`Schedule`)."""
     return backend in backends.BACKENDS and backends.get(backend).served_here
-
-
-def check_flags(args) -> None:
-    """Numbers that would otherwise slice silently (--limit -5: all but 5), hang (--concurrency 0) or fail every
-    request once the models are served (--temperature nan); flags --rejudge would ignore."""
-    if args.rejudge:
-        ignored = [flag for flag, given in (("--model", args.model), ("--limit", args.limit is not None),
-                                            ("--split", args.split != "test"), ("--db", args.db), ("--demo", args.demo),
-                                            ("--single-source", args.single_source),
-                                            *((f"--{f.replace('_', '-')}", getattr(args, f) is not None)
-                                              for f in SHAPE))
-                   if given]
-        if ignored:
-            raise UserError(f"--rejudge re-scores the answers in {args.rejudge} as they are; it runs no model, so "
-                            f"{', '.join(ignored)} would change nothing")
-    for flag in ("limit", "concurrency", *SHAPE):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {value}")
-    if not args.timeout > 0 or math.isinf(args.timeout):  # NaN fails the first test
-        raise UserError(f"--timeout is seconds per model request, more than 0; not {args.timeout}")
-    if not 0 <= args.temperature <= 2:  # what OpenAI-compatible servers accept; NaN fails it too
-        raise UserError(f"--temperature must be between 0 and 2, not {args.temperature}")
-    repeated = sorted({spec for spec in args.model or [] if args.model.count(spec) > 1})
-    if repeated:
-        raise UserError(f"--model {repeated[0]} is given twice: each model is evaluated once per question")
 
 
 def split_spec(spec: str) -> tuple[str, str]:
