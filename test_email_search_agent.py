@@ -52,10 +52,7 @@ async def evaluate(cfg: EvalConfig, written: list[Path]) -> int:
     if scoring.judge:
         await scoring.judge.probe()
     if cfg.rejudge:
-        results = await records.rejudge_folder(Path(cfg.rejudge), scoring, cfg.grounded_answers)
-        report.keep_previous(out)
-        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
-        return finish(cfg, results, {}, written=written)
+        return await rejudge(cfg, scoring, written)
 
     db, questions = open_questions(cfg)
     if cfg.wandb:
@@ -68,10 +65,9 @@ async def evaluate(cfg: EvalConfig, written: list[Path]) -> int:
         contestants = await open_contestants(cfg.model, servers.Servers(serving_options(cfg), stack))
         histories = {c.label: scores.load_history(c.history, c.step) for c in contestants
                      if c.history and c.history.exists()}
-        for c in contestants:
-            print(f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}", file=sys.stderr)
-        print(f"evaluating {len(contestants)} model(s) on {len(questions)} {cfg.split} questions -> {out}",
-              file=sys.stderr)
+        lines = [f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}" for c in contestants]
+        print(*lines, f"evaluating {len(contestants)} model(s) on {len(questions)} {cfg.split} questions -> {out}",
+              sep="\n", file=sys.stderr)
         labels = [c.label for c in contestants]
         try:
             await play(contestants, questions, db, scoring, rollout, out, results, cfg.concurrency)
@@ -87,6 +83,14 @@ async def evaluate(cfg: EvalConfig, written: list[Path]) -> int:
                 finish(cfg, results, histories, labels, written=written)
             raise
         return finish(cfg, results, histories, labels, written=written)  # before the servers close
+
+
+async def rejudge(cfg: EvalConfig, scoring: Episode, written: list[Path]) -> int:
+    """An earlier evaluation's answers (cfg.rejudge) graded again as `scoring` says, into a report of their own."""
+    results = await records.rejudge_folder(Path(cfg.rejudge), scoring, cfg.grounded_answers)
+    report.keep_previous(Path(cfg.output))
+    (Path(cfg.output) / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    return finish(cfg, results, {}, written=written)
 
 
 def serving_options(cfg: EvalConfig) -> players.Options:

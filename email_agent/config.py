@@ -8,10 +8,10 @@ The training loop itself is email_agent/training/loop.py; this module owns no be
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from email_agent import backends, settings
+from email_agent import backends, cli, settings
 from email_agent.settings import setting
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import UserError
@@ -150,7 +150,7 @@ CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", *SHAPE, "concurrency
 
 
 def given_flags(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name) is not None}
+    return cli.given_flags(args, TrainConfig)
 
 
 def cpu_preset(args) -> dict:
