@@ -24,8 +24,6 @@ from email_agent.agent import rewards
 from email_agent.agent.llm_judge import LLMJudge
 from email_agent.agent.matcher import GRADER, Verdict, is_i_dont_know, offline_verdict
 from email_agent.agent.rewards import REWARD_MODES, Rubric
-from email_agent.agent.ruler import ruler_group, ruler_params  # noqa: F401  (training's run_plan and loop
-                                                               # still ask grading for RULER's)
 from email_agent.errors import UserError
 
 if TYPE_CHECKING:  # annotations only

@@ -34,6 +34,7 @@ import art
 from email_agent import backends, cli, dashboard, runs
 from email_agent.agent import grading, rewards
 from email_agent.agent.rollout import Policy
+from email_agent.agent.ruler import ruler_group
 from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines
 from email_agent.data.questions import Question
 from email_agent.errors import UserError
@@ -201,7 +202,7 @@ async def regrade_while_the_judge_is_down(plan: Plan, groups: list[art.Trajector
 
 
 def ruler(plan: Plan, group: art.TrajectoryGroup):
-    return grading.ruler_group(group, plan.ruler_model, plan.ruler_params)
+    return ruler_group(group, plan.ruler_model, plan.ruler_params)
 
 
 def say_whether_it_can_learn(plan: Plan, health: step_health.Health, warm_start_pending: bool

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from email_agent import backends, config, runs
-from email_agent.agent import grading
+from email_agent.agent import grading, ruler
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import rollout
 from email_agent.config import DEMO_DB, TrainConfig, run_dir, saved_config
@@ -102,7 +102,7 @@ async def resolve(cfg: TrainConfig) -> Plan:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise UserError("--reward ruler needs --ruler-model or --judge-model.")
-    ruler_params = grading.ruler_params(judge, cfg.judge_base_url)
+    ruler_params = ruler.ruler_params(judge, cfg.judge_base_url)
     episode = replace(Episode.shaped_as(cfg), reward=reward_mode, judge=judge,
                       hallucination_penalty=cfg.hallucination_penalty)
     # ---- resume: before the run is saved and the model loads (minutes on a GPU), a run that cannot go on with
