@@ -210,9 +210,10 @@ def console_flags():
     return parent
 
 
-def say(line: str) -> None:
-    """A line of a long command's progress on stdout, flushed at once (a pipe or a log file would hold it back)."""
-    print(line, flush=True)
+def print_progress(line: str, *, to_stderr: bool = False) -> None:
+    """A line of a long command's progress, flushed at once (a pipe or a log file would hold it back): on stdout,
+    or on stderr for what is not the run's figures (`to_stderr`)."""
+    print(line, file=sys.stderr if to_stderr else sys.stdout, flush=True)
 
 
 def run_command(command, argv: list[str] | None, *, interrupted: str | Callable[[], str] = "interrupted",

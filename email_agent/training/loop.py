@@ -39,7 +39,7 @@ from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines
 from email_agent.data.questions import Question
 from email_agent.errors import UserError
 from email_agent.training import judge_outages, run_plan, step_health, training_data, warm_start
-from email_agent.training.run_plan import Plan, note
+from email_agent.training.run_plan import Plan
 
 
 async def train(cfg: TrainConfig) -> None:
@@ -198,7 +198,7 @@ async def regrade_while_the_judge_is_down(plan: Plan, groups: list[art.Trajector
     return await judge_outages.settle(groups, rejudge, reward_mode=plan.episode.reward,
                                       patience=plan.config.judge_patience,
                                       step=step + 1,  # the number of the checkpoint it would make
-                                      notify=note)
+                                      notify=lambda line: cli.print_progress(line, to_stderr=True))
 
 
 def ruler(plan: Plan, group: art.TrajectoryGroup):
@@ -261,7 +261,7 @@ async def run_warm_start(plan: Plan, model: art.TrainableModel, policy: Policy,
     cfg = plan.config
     episodes = plan.sft_episodes or await warm_start.warm_start_episodes(cfg, plan.db, plan.train_questions,
                                                                          plan.val_questions, plan.episode)
-    await warm_start.fine_tune(cfg, model, training_data.for_sft(episodes, arguments), say=cli.say)
+    await warm_start.fine_tune(cfg, model, training_data.for_sft(episodes, arguments), say=cli.print_progress)
     state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
     policy.model = model.get_inference_name()
     if plan.val_questions:

@@ -14,19 +14,22 @@ flags, in this order, then starts W&B's traces (with --wandb), which refuse noth
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-from email_agent import backends, config, runs
+from email_agent import backends, cli, config, runs
 from email_agent.agent import grading, ruler
 from email_agent.agent.episode import Episode
-from email_agent.agent.rollout import rollout
+from email_agent.agent.rollout import Policy, rollout
 from email_agent.config import DEMO_DB, TrainConfig, run_dir, saved_config
 from email_agent.data import build
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import Question, training_questions
 from email_agent.errors import UserError
+
+if TYPE_CHECKING:  # ART takes seconds to import; the flags are checked before it loads
+    import art
 
 
 @dataclass(frozen=True)
@@ -48,21 +51,17 @@ class Plan:
     run_config: dict  # what run_config.json holds (config.saved_config)
     state: dict = field(default_factory=dict)  # what a resumed run saved (empty for a fresh one)
     sft_episodes: list | None = None  # the warm start's episodes, when one is still to run
-    rollout: object = rollout  # the rollout function (traced with --wandb)
+    # agent.rollout.rollout, or it wrapped as a Weave op (--wandb)
+    rollout: Callable[[Policy, Question, EmailDB, Episode], Awaitable[art.Trajectory]] = rollout
 
 
 def build_demo_inbox(db_path: str) -> None:
     """`build-db --demo`, as `train --demo` does it when the demo inbox is not built yet."""
     build.check_target(db_path, [], brings_questions=True, overwrite=False)
     emails, question_rows, source, total = build.open_sources(demo=True)
-    note(f"building {db_path} from {source}")
+    cli.print_progress(f"building {db_path} from {source}", to_stderr=True)
     print("\n".join(build.build_database(emails, question_rows, db_path, source=source, total=total,
                                          progress=False).lines()))
-
-
-def note(line: str) -> None:
-    """A line for the person at the terminal, on stderr (stdout carries the run's figures)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def check_flags(cfg: TrainConfig) -> None:
@@ -90,11 +89,11 @@ async def resolve(cfg: TrainConfig) -> Plan:
     settings = backends.BackendSettings.of(cfg)
     ready = backend.readiness(settings, gpu)
     if ready is not None:
-        print("\n".join(ready.report()), file=sys.stdout if cfg.preflight else sys.stderr, flush=True)
+        cli.print_progress("\n".join(ready.report()), to_stderr=not cfg.preflight)
         if not ready.ok:
             raise UserError(f"--backend {backend.name} cannot start here; missing: " + "; ".join(ready.missing))
     if backends.hide_wandb_key(backend.name, cfg.wandb):
-        note("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run")
+        cli.print_progress("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run", to_stderr=True)
     reward_mode, judge = grading.configure(cfg.reward or None, cfg.judge_model or None, cfg.judge_base_url or None,
                                            cfg.art_dir)
     if judge:
