@@ -21,9 +21,11 @@ def labels():
 
 
 def test_the_label_set_is_real_labelled_and_split(labels):
-    """Real answers from both question sets, each labelled by a named labeller, with both verdicts on both sides of
-    the split, and no answer twice."""
-    assert len(labels) >= 180
+    """At least 300 real answers from both question sets and several checkpoints, in rounds, each labelled by a named
+    labeller, with both verdicts on both sides of the split, and no answer twice."""
+    assert len(labels) >= 300
+    assert len({r["source"].split(" (")[0] for r in labels}) >= 5  # checkpoints: warm@1, warm@5, pen2s0@5, ...
+    assert {r["round"] for r in labels} >= {1, 2, 3}
     assert {r["set"] for r in labels} == {"enron", "demo"}
     assert all(r["labeller"] and r["source"] for r in labels)
     assert len({(r["set"], r["question_id"], r["answer"]) for r in labels}) == len(labels)

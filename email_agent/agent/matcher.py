@@ -271,8 +271,9 @@ def _top_level_commas(text: str) -> list[str]:
 
 def _is_list(parts: list[str]) -> bool:
     """ "A, B and C", "A, B, & C", "a.com, b.com, c.com": every item is asked for."""
+    last = re.split(r"\s+(?:and|&)\s+", parts[-1])  # "Brian L. Redmond and Jean M. Mrha": two items
     return bool(re.match(r"^(?:and|or|&)\b", parts[-1].strip(), re.I)) or \
-        (bool(re.search(r"\b(?:and|&)\b", parts[-1])) and all(len(p.split()) <= 4 for p in parts)) or \
+        (len(last) >= 2 and all(len(p.split()) <= 4 for p in parts[:-1] + last)) or \
         (len(parts) >= 3 and all(len(p.split()) == 1 for p in parts))
 
 
@@ -375,10 +376,11 @@ def _other_names_problem(answer: str, wanted: Facts, full: Facts, asked: Facts) 
     the question's."""
     if not wanted.names or wanted.numbers:
         return None
-    known = full.stems() | asked.stems()
+    known, initials = full.stems() | asked.stems(), _initials(full.names)
     for item in re.split(r"\s+(?:and|or|&)\s+|\s*[,;/]\s*", answer.strip()):
         facts = read_facts(item)
-        if facts.names and not facts.words and not facts.numbers and not set(facts.names) & known:
+        if facts.names and not facts.words and not facts.numbers and not set(facts.names) & known and \
+                not any(name in initials for name in facts.names):  # "NNG" is "Northern Natural Gas"
             return f"names another beside the gold answer ({item.strip()!r})"
     return None
 
