@@ -13,7 +13,7 @@ question x model, enough to re-judge without re-running), summary.json, report.h
 eval_config.json (every setting; `--config` reads it back, the flags given winning: email_agent/eval_config.py).
 
 Read top to bottom: `main` parses and checks the settings (`eval_config.load`); `evaluate` plays every model on
-every question (`play`), grades each answer as it finishes, and writes the report (`finish`).
+every question (`play_episodes`), grades each answer as it finishes, and writes the report (`finish`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tqdm import tqdm
 import email_agent  # noqa: F401  (offline environment defaults before litellm/ART load)
 from email_agent import cli, eval_config
 from email_agent.evaluation import records, report, scores
-from email_agent.serving import players, servers
+from email_agent.models import opened, servers
 from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.episode import SHAPE, Episode
@@ -62,15 +62,15 @@ async def evaluate(cfg: EvalConfig, written: list[Path]) -> int:
         rollout = traced_rollout(cfg.project, rollout, scoring.judge)
     results: list[dict] = []
     async with contextlib.AsyncExitStack() as stack:
-        contestants = await open_contestants(cfg.model, servers.Servers(serving_options(cfg), stack))
-        histories = {c.label: scores.load_history(c.history, c.step) for c in contestants
+        opened_models = await open_models(cfg.model, servers.Servers(serving_options(cfg), stack))
+        histories = {c.label: scores.load_history(c.history, c.step) for c in opened_models
                      if c.history and c.history.exists()}
-        lines = [f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}" for c in contestants]
-        print(*lines, f"evaluating {len(contestants)} model(s) on {len(questions)} {cfg.split} questions -> {out}",
+        lines = [f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}" for c in opened_models]
+        print(*lines, f"evaluating {len(opened_models)} model(s) on {len(questions)} {cfg.split} questions -> {out}",
               sep="\n", file=sys.stderr)
-        labels = [c.label for c in contestants]
+        labels = [c.label for c in opened_models]
         try:
-            await play(contestants, questions, db, scoring, rollout, out, results, cfg.concurrency)
+            await play_episodes(opened_models, questions, db, scoring, rollout, out, results, cfg.concurrency)
         except (KeyboardInterrupt, asyncio.CancelledError):
             if not results:
                 print("\ninterrupted before any rollout finished: nothing written", file=sys.stderr)
@@ -93,13 +93,13 @@ async def rejudge(cfg: EvalConfig, scoring: Episode, written: list[Path]) -> int
     return finish(cfg, results, {}, written=written)
 
 
-def serving_options(cfg: EvalConfig) -> players.Options:
+def serving_options(cfg: EvalConfig) -> opened.Options:
     """How the models are served and asked, from the evaluation's settings."""
-    return players.Options(art_dir=cfg.art_dir, base_model=cfg.base_model, base_url=cfg.base_url,
-                           api_key=cfg.api_key, temperature=cfg.temperature, timeout=cfg.timeout,
-                           concurrency=cfg.concurrency, seed=cfg.seed,
-                           cpu_lora_rank=players.cpu_lora_rank(cfg.model, cfg.art_dir),
-                           shape={name: getattr(cfg, name) for name in SHAPE})
+    return opened.Options(art_dir=cfg.art_dir, base_model=cfg.base_model, base_url=cfg.base_url,
+                          api_key=cfg.api_key, temperature=cfg.temperature, timeout=cfg.timeout,
+                          concurrency=cfg.concurrency, seed=cfg.seed,
+                          cpu_lora_rank=opened.cpu_lora_rank(cfg.model, cfg.art_dir),
+                          shape={name: getattr(cfg, name) for name in SHAPE})
 
 
 def open_questions(cfg: EvalConfig) -> tuple[EmailDB, list[Question]]:
@@ -122,37 +122,37 @@ def open_questions(cfg: EvalConfig) -> tuple[EmailDB, list[Question]]:
     return db, questions
 
 
-async def open_contestants(specs: list[str], servers: servers.Servers) -> list[players.Contestant]:
+async def open_models(specs: list[str], servers: servers.Servers) -> list[opened.OpenedModel]:
     """Every model served and probed before the first rollout: a dead endpoint fails in seconds, not after hours of
     the other models' rollouts."""
     art_dir = servers.options.art_dir
-    players.check_specs(specs, art_dir)
-    shared = players.shared_run_shape(specs, art_dir)
-    contestants = [await players.open_contestant(spec, servers, shared) for spec in specs]
-    labels = [c.label for c in contestants]
+    opened.check_specs(specs, art_dir)
+    shared = opened.shared_run_shape(specs, art_dir)
+    opened_models = [await opened.open_model(spec, servers, shared) for spec in specs]
+    labels = [c.label for c in opened_models]
     if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step
         twice = next(label for label in labels if labels.count(label) > 1)
         raise UserError(f"--model: {twice} is given twice (under two names); each model is evaluated once")
-    for contestant in contestants:
-        await players.probe(contestant)
-    return contestants
+    for opened_model in opened_models:
+        await opened.probe(opened_model)
+    return opened_models
 
 
-async def play(contestants: list[players.Contestant], questions: list[Question], db: EmailDB, scoring: Episode,
-               rollout, out: Path, results: list[dict], concurrency: int) -> None:
-    """Every contestant on every question, as `players.Schedule` lets them: each finished rollout's record is
+async def play_episodes(opened_models: list[opened.OpenedModel], questions: list[Question], db: EmailDB,
+                        scoring: Episode, rollout, out: Path, results: list[dict], concurrency: int) -> None:
+    """Every opened model on every question, as `opened.EpisodeScheduler` lets them: each finished rollout's record is
     appended to `results` and written to out/results.jsonl at once (an interrupted evaluation keeps them)."""
-    schedule = players.Schedule(contestants, len(questions), concurrency)
+    scheduler = opened.EpisodeScheduler(opened_models, len(questions), concurrency)
 
-    async def one(contestant: players.Contestant, question: Question) -> dict:
-        episode = contestant.episode(scoring)
-        async with schedule.turn(contestant.label):
-            traj = await rollout(contestant.policy, question, db, episode)
-        return records.make_record(contestant, question, traj, episode)
+    async def one(opened_model: opened.OpenedModel, question: Question) -> dict:
+        episode = opened_model.episode(scoring)
+        async with scheduler.slot(opened_model.label):
+            traj = await rollout(opened_model.policy, question, db, episode)
+        return records.make_record(opened_model, question, traj, episode)
 
-    correct: dict[str, list[int]] = {c.label: [0, 0] for c in contestants}
-    bar = tqdm(total=len(questions) * len(contestants), unit=" rollouts", desc="evaluating")
-    tasks = [asyncio.ensure_future(one(c, q)) for c in contestants for q in questions]
+    correct: dict[str, list[int]] = {c.label: [0, 0] for c in opened_models}
+    bar = tqdm(total=len(questions) * len(opened_models), unit=" rollouts", desc="evaluating")
+    tasks = [asyncio.ensure_future(one(c, q)) for c in opened_models for q in questions]
     results_file = None  # opened at the first finished rollout: an evaluation stopped before it writes nothing
     with contextlib.ExitStack() as files:
         try:

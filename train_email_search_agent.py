@@ -33,7 +33,7 @@ import email_agent  # noqa: F401  (sets offline-friendly environment defaults be
 from email_agent.apps import ask, export, serve
 from email_agent.data import build, enron_sample, generate
 from email_agent import cli, dashboard, runs
-from email_agent.serving import players
+from email_agent.models import opened
 from email_agent.config import DEFAULT_DB, DEMO_DB, TrainConfig, config_from_args, cpu_preset, run_dir
 from email_agent.errors import UserError
 from email_agent.runs import ART_DIR, PROJECT
@@ -167,7 +167,7 @@ def ask_command(args) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     spec, db = ask.model_and_db(args.model, args.db, args.art_dir, DEFAULT_DB)
     question = ask.adhoc_question(db, args.question, args.inbox, args.as_of)
-    options = players.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
+    options = opened.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
                                  shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     live = {} if args.json else dict(
         on_call=lambda *call: print(ask.describe_call(*call), flush=True),

@@ -1,7 +1,7 @@
 """What the MCP layer of `serve` costs (a script that prints figures; not a test).
 
 Latency: the same held-out demo questions are asked twice each, alternately, of the same model: in-process
-(`ask.answer_question` on a contestant opened once, what `ask` plays) and over MCP (`ask_inbox` through the
+(`ask.answer_question` on a model opened once, what `ask` plays) and over MCP (`ask_inbox` through the
 SDK's stdio client to `train_email_search_agent.py serve`, which opened the same model once at its start). Both
 play the same greedy rollout with the grounding check on, so the work is the same; the answers are compared.
 p50/p95 of each, and what MCP adds (target: under 5% of an answer's time).
@@ -40,8 +40,8 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 from email_agent.apps import ask
-from email_agent.serving import players
-from email_agent.serving.servers import Servers
+from email_agent.models import opened
+from email_agent.models.servers import Servers
 from email_agent import runs
 from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
@@ -60,25 +60,25 @@ def serve_argv(args, spec: str, base_url: str | None, *more) -> list[str]:
 
 
 async def latency(args, spec, base_url, questions, db) -> None:
-    options = players.Options(art_dir=args.art_dir, base_url=base_url)
+    options = opened.Options(art_dir=args.art_dir, base_url=base_url)
     params = StdioServerParameters(command=sys.executable, args=serve_argv(args, spec, base_url)[1:], cwd=str(ROOT))
     inproc, mcp, same = [], [], 0
     async with contextlib.AsyncExitStack() as stack:
-        contestant = await players.open_contestant(spec, Servers(options, stack))
-        await players.probe(contestant)
+        opened_model = await opened.open_model(spec, Servers(options, stack))
+        await opened.probe(opened_model)
         read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
-        print(f"{contestant.label} ({contestant.shape.describe()}), {len(questions)} questions x {args.rounds} "
+        print(f"{opened_model.label} ({opened_model.shape.describe()}), {len(questions)} questions x {args.rounds} "
               f"round(s), in-process and over MCP (stdio) alternately", flush=True)
         first = questions[0]
-        await ask.answer_question(contestant, first, db, True)  # warm both (first-request costs are not MCP's)
+        await ask.answer_question(opened_model, first, db, True)  # warm both (first-request costs are not MCP's)
         await session.call_tool("ask_inbox", {"question": first.question, "inbox": first.inbox_address,
                                               "as_of": first.query_date}, read_timeout_seconds=600)
         for _ in range(args.rounds):
             for q in questions:
                 started = time.perf_counter()
-                direct = await ask.answer_question(contestant, q, db, True)
+                direct = await ask.answer_question(opened_model, q, db, True)
                 inproc.append(time.perf_counter() - started)
                 started = time.perf_counter()
                 result = await session.call_tool("ask_inbox", {"question": q.question, "inbox": q.inbox_address,

@@ -1,6 +1,6 @@
 """Does verifiers' own evaluation CLI agree with this project's? (a script that prints figures; not a test)
 
-One CPU vLLM server is started the way the evaluation starts it (email_agent.serving.servers: the run's base
+One CPU vLLM server is started the way the evaluation starts it (email_agent.models.servers: the run's base
 model, its checkpoint loaded as a LoRA named RUN@STEP) and both harnesses play against it, with greedy decoding,
 the run's episode shape, the grounding check as `make demo` evaluates, on the same questions:
 
@@ -74,12 +74,12 @@ async def bench(args) -> int:
     db = run.config["db"]
 
     # here, not at the top: the CPU backend imports torch, transformers and ART (seconds)
-    from email_agent.serving import players
-    from email_agent.serving.servers import Servers
+    from email_agent.models import opened
+    from email_agent.models.servers import Servers
 
     print(f"{label}: {checkpoint}\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     async with contextlib.AsyncExitStack() as stack:
-        options = players.Options(art_dir=args.art_dir, concurrency=args.concurrency, log_dir=str(out / "logs"))
+        options = opened.Options(art_dir=args.art_dir, concurrency=args.concurrency, log_dir=str(out / "logs"))
         client, served = await Servers(options, stack).on_cpu(run.base_model, checkpoint, label,
                                                                 lora_rank=run.config.get("lora_rank", 8))
         url = str(client.base_url).rstrip("/")

@@ -5,7 +5,7 @@ One folder per stage, in the order data flows through them:
   agent/       one episode: the tools, the rollout, whether its answer is right (matcher, LLM judge, RULER), rewards
   training/    a run planned, then trained: warm start, the GRPO loop, each step's health, judge outages
   backends/    where a run trains: the CPU trainer beside vLLM, ART's GPU and hosted backends, readiness
-  serving/     models opened to play episodes, for the evaluation, `ask` and `serve`
+  models/      models opened to play episodes, for the evaluation, `ask` and `serve`
   evaluation/  an evaluation's records, figures and report
   apps/        a trained agent put to use: ask, serve (MCP), export
 Beside them, what they share: errors (UserError), cli, settings, config (training's), eval_config (the

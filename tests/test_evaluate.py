@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, needs_enron
 from email_agent.evaluation import report
-from email_agent.serving import players, servers
+from email_agent.models import opened, servers
 from email_agent import runs
 from email_agent.data import questions as qmod
 from email_agent.errors import UserError
@@ -74,14 +74,14 @@ def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns
     from types import SimpleNamespace
 
     labels = [("base", "cpu"), ("o4-mini", "api"), ("demo@1", "cpu"), ("demo@7", "cpu")]
-    contestants = [SimpleNamespace(label=label, backend=backend) for label, backend in labels]
+    opened_models = [SimpleNamespace(label=label, backend=backend) for label, backend in labels]
     events, playing, most = [], dict.fromkeys(dict(labels), 0), {}
 
     async def play():
-        schedule = players.Schedule(contestants, rollouts_each=5, concurrency=2, cpu_at_once=2)
+        scheduler = opened.EpisodeScheduler(opened_models, rollouts_each=5, concurrency=2, cpu_at_once=2)
 
         async def one(label, i):
-            async with schedule.turn(label):
+            async with scheduler.slot(label):
                 playing[label] += 1
                 most[label] = max(most.get(label, 0), playing[label])
                 events.append(("start", label))
@@ -89,7 +89,7 @@ def test_each_model_plays_a_few_whole_episodes_at_once_and_cpu_models_take_turns
                 events.append(("end", label))
                 playing[label] -= 1
 
-        await asyncio.gather(*(one(c.label, i) for c in contestants for i in range(5)))
+        await asyncio.gather(*(one(c.label, i) for c in opened_models for i in range(5)))
 
     asyncio.run(play())
     assert most == dict.fromkeys(dict(labels), 2)  # never more than the concurrency, per model

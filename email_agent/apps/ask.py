@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Callable
 
-from email_agent.serving import players
-from email_agent.serving.servers import Servers
+from email_agent.models import opened
+from email_agent.models.servers import Servers
 from email_agent.agent.episode import Episode
 from email_agent import runs
 from email_agent.cli import add_db_flags
@@ -48,7 +48,7 @@ def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db
 
 @dataclass
 class Answer:
-    model: str  # the contestant's label, e.g. demo@5
+    model: str  # the opened model's label, e.g. demo@5
     shape: str  # the episode shape it played, described
     question: Question
     answer: str | None  # None: no final answer within the turns
@@ -68,23 +68,23 @@ class Answer:
                 "withheld": self.withheld}
 
 
-async def ask(spec: str, question: Question, db: EmailDB, options: players.Options,
+async def ask(spec: str, question: Question, db: EmailDB, options: opened.Options,
               on_call: Callable | None = None, on_start: Callable | None = None,
               grounded_answers: bool = False) -> Answer:
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
     it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
     see `grading.withhold_ungrounded`."""
     async with contextlib.AsyncExitStack() as stack:
-        contestant = await players.open_contestant(spec, Servers(options, stack))
-        await players.probe(contestant)
+        opened_model = await opened.open_model(spec, Servers(options, stack))
+        await opened.probe(opened_model)
         if on_start:
-            on_start(contestant.label, contestant.shape.describe())
-        return await answer_question(contestant, question, db, grounded_answers, on_call)
+            on_start(opened_model.label, opened_model.shape.describe())
+        return await answer_question(opened_model, question, db, grounded_answers, on_call)
 
 
-async def answer_question(contestant: players.Contestant, question: Question, db: EmailDB,
+async def answer_question(opened_model: opened.OpenedModel, question: Question, db: EmailDB,
                           grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
-    """One rollout of an open contestant (served once, asked many times by `serve`), in its episode shape."""
+    """One rollout of an opened model (served once, asked many times by `serve`), in its episode shape."""
     # here, not at the top: rollout imports ART (torch, seconds), and this module loads for every subcommand and --help
     from email_agent.agent.rollout import rollout
 
@@ -96,14 +96,14 @@ async def answer_question(contestant: players.Contestant, question: Question, db
         if on_call:
             on_call(name, arguments, outcome)
 
-    config = contestant.episode(Episode(grounded_answers=grounded_answers))
-    traj = await rollout(contestant.policy, question, db, config, on_call=record)
+    config = opened_model.episode(Episode(grounded_answers=grounded_answers))
+    traj = await rollout(opened_model.policy, question, db, config, on_call=record)
     if traj.metadata.get("error"):
-        raise UserError(f"{contestant.label} failed: {traj.metadata['error']}")
+        raise UserError(f"{opened_model.label} failed: {traj.metadata['error']}")
     sources = json.loads(traj.metadata["sources"])
     visible = day_after(question.query_date)
     cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]
-    return Answer(contestant.label, contestant.shape.describe(), question, traj.metadata.get("answer"), sources,
+    return Answer(opened_model.label, opened_model.shape.describe(), question, traj.metadata.get("answer"), sources,
                   cited, traj.metrics["num_turns"], bool(traj.metrics["ran_out_of_turns"]), calls,
                   json.loads(traj.metadata["withheld"]) if traj.metadata.get("withheld") else None)
 

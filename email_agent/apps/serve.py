@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from email_agent.apps import ask
-from email_agent.serving import players
-from email_agent.serving.servers import Servers
+from email_agent.models import opened
+from email_agent.models.servers import Servers
 from email_agent.agent import tools
 from email_agent.runs import ART_DIR
 from email_agent.errors import UserError
@@ -40,7 +40,7 @@ class Settings:
     db: str | None  # None: the run's own database, else default_db
     default_db: str
     inboxes: list[str]  # empty: every inbox of the database
-    options: players.Options
+    options: opened.Options
     grounded_answers: bool = True
     http: str | None = None  # HOST:PORT for streamable HTTP; None: stdio
     token: str | None = None
@@ -103,7 +103,7 @@ def check_settings(settings: Settings) -> None:
                         f"so that only clients with it are served, or bind 127.0.0.1")
 
 
-def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: bool, ready: bool = True):
+def make_server(opened_model: opened.OpenedModel, scope: Scope, grounded_answers: bool, ready: bool = True):
     """The MCP server with its three tools. `ready`: the model answered the probe at start (else each
     ask_inbox probes it again first, so a model that is down is one clear tool error per request)."""
     # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
@@ -112,8 +112,8 @@ def make_server(contestant: players.Contestant, scope: Scope, grounded_answers: 
     server = MCPServer("email-search-agent", instructions=(
         "Answers questions about an email inbox. ask_inbox: a trained agent searches the inbox and answers with "
         "the emails it cites. search_inbox and read_email: search and read the inbox yourself."))
-    add_ask_tool(server, contestant, scope, grounded_answers, ready)
-    add_inbox_tools(server, scope, contestant.shape)
+    add_ask_tool(server, opened_model, scope, grounded_answers, ready)
+    add_inbox_tools(server, scope, opened_model.shape)
     return server
 
 
@@ -130,7 +130,7 @@ def tool_arguments():
     return inbox, as_of
 
 
-def add_ask_tool(server, contestant: players.Contestant, scope: Scope, grounded_answers: bool, ready: bool) -> None:
+def add_ask_tool(server, opened_model: opened.OpenedModel, scope: Scope, grounded_answers: bool, ready: bool) -> None:
     """`ask_inbox`: one rollout of the served agent, as `ask` plays it."""
     # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
     from mcp.server.mcpserver.exceptions import ToolError
@@ -151,9 +151,9 @@ def add_ask_tool(server, contestant: players.Contestant, scope: Scope, grounded_
         try:
             asked = ask.adhoc_question(scope.db, question, scope.inbox(inbox), tool_day(as_of))
             if not ready:
-                await players.probe(contestant)
+                await opened.probe(opened_model)
                 ready = True
-            result = await ask.answer_question(contestant, asked, scope.db, grounded_answers)
+            result = await ask.answer_question(opened_model, asked, scope.db, grounded_answers)
         except UserError as exc:
             raise ToolError(str(exc)) from None
         return result.to_json()
@@ -260,15 +260,15 @@ async def serve(settings: Settings) -> None:
     async with contextlib.AsyncExitStack() as stack:
         listening = None if settings.http is None else stack.enter_context(listen(*parse_http(settings.http)))
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the stdio transport's: nothing else may write there
-            contestant = await players.open_contestant(spec, Servers(settings.options, stack))
+            opened_model = await opened.open_model(spec, Servers(settings.options, stack))
         ready = True
         try:
-            await players.probe(contestant)
+            await opened.probe(opened_model)
         except UserError as exc:
             ready = False
             log.warning("%s (ask_inbox fails until it answers; search_inbox and read_email work)", exc)
-        server = make_server(contestant, scope, settings.grounded_answers, ready)
-        log.info("serving %s (%s) for %s of %s", contestant.label, contestant.shape.describe(),
+        server = make_server(opened_model, scope, settings.grounded_answers, ready)
+        log.info("serving %s (%s) for %s of %s", opened_model.label, opened_model.shape.describe(),
                  ", ".join(allowed) or "every inbox", db.path)
         if settings.http is None:
             await server.run_stdio_async()
@@ -319,7 +319,7 @@ def settings_from_args(args, default_db: str) -> Settings:
     for flag in ("max_turns", "max_tokens", "concurrency"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
-    options = players.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key,
+    options = opened.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key,
                                  concurrency=args.concurrency,
                                  shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     return Settings(args.model, args.db, default_db, args.inbox, options, args.grounded_answers, args.http,

@@ -1,5 +1,5 @@
 """test_email_search_agent.py's stages: what the episodes add up to, and the report (who plays, and on which
-servers, is email_agent.serving's, which `ask` and `serve` share).
+servers, is email_agent.models', which `ask` and `serve` share).
 
 Modules:
   records  what one answer records in results.jsonl, and those records re-judged (--rejudge)

@@ -3,7 +3,7 @@
 Owns `make_record` (one line of results.jsonl: enough to report, re-judge and warm-start from without playing
 again; `scores` checks and reads it, `report` and the warm start use it), its price (`cost_usd`), re-judging an
 earlier evaluation's records (`--rejudge`) and the episode that says how an evaluation grades (`scoring_episode`).
-It serves and plays nothing (see `players`).
+It serves and plays nothing (see `opened`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 def scoring_episode(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str,
                     grounded_answers: bool = False) -> Episode:
-    """An Episode carrying how answers are graded and whether ungrounded ones are withheld (each contestant
-    plays it in its own shape: `Contestant.episode`)."""
+    """An Episode carrying how answers are graded and whether ungrounded ones are withheld (each opened model
+    plays it in its own shape: `OpenedModel.episode`)."""
     mode, judge = grading.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"
@@ -54,8 +54,8 @@ def grader_of(judge: str | None) -> str | None:
     return grading.GRADER if judge == "offline" else judge
 
 
-def make_record(contestant, question: Question, traj, episode: Episode) -> dict:
-    """One line of results.jsonl for `contestant` (a `players.Contestant`) having played `episode`: enough to
+def make_record(opened_model, question: Question, traj, episode: Episode) -> dict:
+    """One line of results.jsonl for `opened_model` (a `models.opened.OpenedModel`) having played `episode`: enough to
     report, re-judge and warm-start from without re-running."""
     m, meta = traj.metrics, traj.metadata
     verdict = None
@@ -63,16 +63,17 @@ def make_record(contestant, question: Question, traj, episode: Episode) -> dict:
         verdict = {"correct": bool(m["answer_correct"]), "judge": meta.get("verdict_judge"),
                    "reasoning": meta.get(grading.VERDICT_REASONING), "error": meta.get(grading.VERDICT_ERROR),
                    "grader": grader_of(meta.get("verdict_judge"))}
-    return {"model": contestant.label, "question_id": question.id, "question": question.question,
+    return {"model": opened_model.label, "question_id": question.id, "question": question.question,
             "gold_answer": question.answer, "gold_message_ids": question.message_ids, "inbox": question.inbox_address,
             "query_date": question.query_date, "answer": meta.get("answer"), "sources": json.loads(meta["sources"]),
             "withheld": json.loads(meta["withheld"]) if meta.get("withheld") else None,
             "grounded_answers": episode.grounded_answers,
             "reward": traj.reward, "reward_mode": episode.reward, "max_turns": episode.max_turns, "verdict": verdict,
-            "episode": contestant.shape.shape(), "tool_choice": contestant.tool_choice, "backend": contestant.backend,
-            "concurrency": contestant.policy.max_concurrency,
+            "episode": opened_model.shape.shape(), "tool_choice": opened_model.tool_choice,
+            "backend": opened_model.backend,
+            "concurrency": opened_model.policy.max_concurrency,
             "metrics": dict(m),
-            "cost_usd": cost_usd(contestant.price_model, m["prompt_tokens"], m["completion_tokens"]),
+            "cost_usd": cost_usd(opened_model.price_model, m["prompt_tokens"], m["completion_tokens"]),
             "error": meta.get("error"), "messages": traj.messages()}
 
 

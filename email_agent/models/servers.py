@@ -1,10 +1,10 @@
 """Evaluation's servers: each trained run served by the backend it was trained on, for one evaluation.
 
 Owns `Servers`, which an evaluation (or `ask`, `serve`) holds for as long as its models play: one vLLM server per
-base model on this machine's CPU, which every CPU contestant plays on (a checkpoint is a LoRA loaded into it), and
+base model on this machine's CPU, which every CPU model plays on (a checkpoint is a LoRA loaded into it), and
 one ART model registered per run trained on an ART backend (several steps of one run share that backend, where
 each would otherwise start its own trainer and vLLM on the same GPU). What cannot be served here is said with the
-way around it (`cannot_serve`). It plays nothing: `players` makes contestants of what it serves.
+way around it (`cannot_serve`). It plays nothing: `opened` makes opened models of what it serves.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from email_agent.runs import Run, is_step
 
 
 class Servers:
-    """The servers of one evaluation, closed with `stack`. `options` is the evaluation's `players.Options`: where
+    """The servers of one evaluation, closed with `stack`. `options` is the evaluation's `opened.Options`: where
     runs and logs live, the timeout, the decoding batch, the seed and the largest LoRA the CPU server holds."""
 
     def __init__(self, options, stack: contextlib.AsyncExitStack) -> None:

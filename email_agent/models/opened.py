@@ -1,13 +1,13 @@
-"""Who plays: a model opened to play episodes, served the way it was trained, and checked before it plays.
+"""Each --model value opened: a model ready to play episodes, served the way it was trained, checked before it plays.
 
-Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into a
-`Contestant` with a ready policy (a run on its own backend, served by `servers.Servers`: CPU on one vLLM server
+Owns: turning a `--model` value (a training run found by `runs`, `base`, or a provider/model) into an
+`OpenedModel` with a ready policy (a run on its own backend, served by `servers.Servers`: CPU on one vLLM server
 per base model, ART's LocalBackend / vLLM, W&B Serverless or Tinker; the untrained base model on CPU; a prompted
 model behind an OpenAI-compatible endpoint); the --model values checked before anything is served (the other
-settings are checked by `email_agent.eval_config`); `Schedule`, who plays when; `probe`, one cheap request that
-fails fast on an unreachable server, a refused key or an unknown model. `test_email_search_agent.py`, `ask` and
-`serve` are thin layers over this. What one answer records is `records`'; it does not render reports (see
-`report`) and plays episodes only through `rollout`.
+settings are checked by `email_agent.eval_config`); `EpisodeScheduler`, which model's episodes run when; `probe`,
+one cheap request that fails fast on an unreachable server, a refused key or an unknown model.
+`test_email_search_agent.py`, `ask` and `serve` are thin layers over this. What one answer records is `records`';
+it does not render reports (see `report`) and plays episodes only through `rollout`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from email_agent.agent.episode import Episode
 from email_agent import backends
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.errors import UserError
-from email_agent.serving.servers import Servers
+from email_agent.models.servers import Servers
 from email_agent.redact import redact
 from email_agent.runs import ART_DIR, find_run, is_step
 
 
 # ----------------------------------------------------------------------------------------------
-# Contestants: a --model value -> a ready policy, served the way its run was trained
+# Opened models: a --model value -> a ready policy, served the way its run was trained
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -49,7 +49,7 @@ class Options:
 
 
 @dataclass
-class Contestant:
+class OpenedModel:
     label: str
     policy: object  # rollout.Policy
     shape: Episode
@@ -63,14 +63,14 @@ class Contestant:
         return self.policy.tool_choice or "auto"
 
     def episode(self, scoring: Episode) -> Episode:
-        """The episode this contestant plays: its own shape, scored as `scoring` says (the evaluation's reward
+        """The episode this model plays: its own shape, scored as `scoring` says (the evaluation's reward
         mode, judge and grounding check)."""
         return self.shape.scored(scoring)
 
 
 def served_here(backend: str) -> bool:
-    """A contestant of `backend` (a backend's name, or "api" for a prompted model) is served by this project's vLLM
-    on this machine (base and CPU runs): such models take turns (`Schedule`)."""
+    """A model of `backend` (a backend's name, or "api" for a prompted model) is served by this project's vLLM
+    on this machine (base and CPU runs): such models take turns (`EpisodeScheduler`)."""
     return backend in backends.BACKENDS and backends.get(backend).served_here
 
 
@@ -84,7 +84,7 @@ def split_spec(spec: str) -> tuple[str, str]:
 def check_specs(specs: list[str], art_dir: str) -> None:
     """What can be told of the --model values before any model is served (a model loads in seconds on CPU,
     minutes on a GPU): a step that is not one, and one checkpoint asked for under two names (RUN and RUN@N where
-    N is its latest step). The checks of `open_contestant` stay: `ask` and other callers serve one model."""
+    N is its latest step). The checks of `open_model` stay: `ask` and other callers serve one model."""
     labels = {}
     art_runs = [run for run in (find_run(split_spec(spec)[0], art_dir) for spec in specs)
                 if run is not None and not backends.get(run.backend).served_here]
@@ -113,18 +113,18 @@ def check_specs(specs: list[str], art_dir: str) -> None:
             labels[label] = spec
 
 
-class Schedule:
-    """Who plays when. Each model plays at most `concurrency` episodes at once, each from its first turn to its
-    last. (Started all together, a model's episodes queue their requests turn by turn, none ends until nearly all
-    have played every turn, and the CPU server's prefix cache, too small for them all, misses: bench_enron's
-    evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU (all by one vLLM
-    server) play `cpu_at_once` at a time (default: one per core), the next starting when one has played all its
-    episodes; GPU, remote and prompted models play alongside."""
+class EpisodeScheduler:
+    """Which model's episodes run when. Each model plays at most `concurrency` episodes at once, each from its
+    first turn to its last. (Started all together, a model's episodes queue their requests turn by turn, none ends
+    until nearly all have played every turn, and the CPU server's prefix cache, too small for them all, misses:
+    bench_enron's evaluation finished no episode of 3 x 120 in ten minutes.) Models served on this machine's CPU (all
+    by one vLLM server) play `cpu_at_once` at a time (default: one per core), the next starting when one has played
+    all its episodes; GPU, remote and prompted models play alongside."""
 
-    def __init__(self, contestants: list[Contestant], rollouts_each: int, concurrency: int,
+    def __init__(self, opened_models: list[OpenedModel], rollouts_each: int, concurrency: int,
                  cpu_at_once: int | None = None) -> None:
-        cpu = [c.label for c in contestants if served_here(c.backend)]
-        self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in contestants}
+        cpu = [c.label for c in opened_models if served_here(c.backend)]
+        self._lanes = {c.label: asyncio.Semaphore(concurrency) for c in opened_models}
         self._go = {label: asyncio.Event() for label in cpu}
         at_once = max(1, cpu_at_once or os.cpu_count() or 1)
         for label in cpu[:at_once]:
@@ -133,7 +133,7 @@ class Schedule:
         self._left = dict.fromkeys(cpu, rollouts_each)
 
     @contextlib.asynccontextmanager
-    async def turn(self, label: str):
+    async def slot(self, label: str):
         """Hold one episode of `label` until its model's turn and a free lane; the last of a CPU model's episodes
         to end lets the next waiting CPU model start."""
         go = self._go.get(label)
@@ -149,8 +149,8 @@ class Schedule:
                     self._go[self._waiting.pop(0)].set()
 
 
-async def open_contestant(spec: str, servers: Servers, default_shape: Episode | None = None) -> Contestant:
-    """A --model value -> a Contestant, served by `servers` (with the evaluation's `Options`) if it is trained or
+async def open_model(spec: str, servers: Servers, default_shape: Episode | None = None) -> OpenedModel:
+    """A --model value -> an OpenedModel, served by `servers` (with the evaluation's `Options`) if it is trained or
     `base`.
 
     A run plays the episode shape it was trained with; `base` and prompted models play `default_shape`
@@ -180,7 +180,7 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
         else:
             client, label, served = await servers.with_art(run, step)
         policy = Policy(client, label if backends.get(run.backend).served_here else served, **common)
-        return Contestant(label, policy, shape, run.backend, history=run.path / "history.jsonl",
+        return OpenedModel(label, policy, shape, run.backend, history=run.path / "history.jsonl",
                           step=int(label.rpartition("@")[2]))
 
     shape = (default_shape or Episode()).override(**options.shape)
@@ -190,7 +190,7 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
         except UserError as exc:  # e.g. a GPU venv, which has no CPU vLLM: say what `base` is and what to type
             raise UserError(f"{str(exc).rstrip('.')} (--model base is the CPU path's untrained {options.base_model}; "
                             f"a GPU run's untrained model is its first checkpoint, --model RUN@0).") from None
-        return Contestant(label, Policy(client, label, **common), shape, backends.CPU.name)
+        return OpenedModel(label, Policy(client, label, **common), shape, backends.CPU.name)
 
     provider, _, model = name.partition("/")
     if not model:
@@ -208,7 +208,7 @@ async def open_contestant(spec: str, servers: Servers, default_shape: Episode | 
     # Prompted models are told they must call a tool (as ART·E's baselines were); trained ones learned to.
     policy = Policy(client, served, logprobs=False, tool_choice="required",
                     **{**common, "temperature": None if reasoning else options.temperature})
-    return Contestant(spec, policy, shape, "api", price_model=name)
+    return OpenedModel(spec, policy, shape, "api", price_model=name)
 
 
 def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
@@ -224,14 +224,14 @@ def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Fail fast: one cheap request per contestant before the first rollout
+# Fail fast: one cheap request per opened model before the first rollout
 # ----------------------------------------------------------------------------------------------
 
 PROBE_TIMEOUT_S = 20.0
 
 
-async def probe(contestant: Contestant) -> None:
-    """Raise UserError if the contestant's endpoint is unreachable, refuses the key or does not serve the model.
+async def probe(opened_model: OpenedModel) -> None:
+    """Raise UserError if the opened model's endpoint is unreachable, refuses the key or does not serve the model.
 
     GET /models first (free, and what every OpenAI-compatible server answers); when the model is not in the
     list, or the server has no such route, a one-token chat request decides.
@@ -239,21 +239,21 @@ async def probe(contestant: Contestant) -> None:
     # here, not at the top: openai takes ~0.4 s to import (pydantic), and --help loads this module
     import openai
 
-    client = contestant.policy.client.with_options(max_retries=0, timeout=PROBE_TIMEOUT_S)
-    model, where = contestant.policy.model, str(client.base_url)
+    client = opened_model.policy.client.with_options(max_retries=0, timeout=PROBE_TIMEOUT_S)
+    model, where = opened_model.policy.model, str(client.base_url)
     served: list[str] = []
 
     def failure(exc: Exception) -> UserError:
         if isinstance(exc, openai.APIConnectionError):  # refused, DNS, timeout
-            return UserError(f"{contestant.label}: cannot reach {where} ({type(exc).__name__}); is the server up "
+            return UserError(f"{opened_model.label}: cannot reach {where} ({type(exc).__name__}); is the server up "
                              f"and the --base-url right?")
         if isinstance(exc, (openai.AuthenticationError, openai.PermissionDeniedError)):
-            return UserError(f"{contestant.label}: {where} refused the API key (HTTP {exc.status_code}); check "
+            return UserError(f"{opened_model.label}: {where} refused the API key (HTTP {exc.status_code}); check "
                              f"--api-key, OPENAI_API_KEY or POLICY_API_KEY.")
         if isinstance(exc, openai.NotFoundError):
             listed = f"; it serves {', '.join(served[:10])}" if served else ""
-            return UserError(f"{contestant.label}: {where} does not serve a model named {model!r}{listed}.")
-        return UserError(f"{contestant.label}: {where} answered the probe with HTTP "
+            return UserError(f"{opened_model.label}: {where} does not serve a model named {model!r}{listed}.")
+        return UserError(f"{opened_model.label}: {where} answered the probe with HTTP "
                          f"{getattr(exc, 'status_code', '?')}: {redact(str(exc)[:200])}")
 
     try:
