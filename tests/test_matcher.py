@@ -61,6 +61,7 @@ def test_trainings_offline_reward_pays_those_answers_as_right(question, gold, an
     ("When is the facility compliance certification report for Station 5 due?", "Jan. 23, 2002", "Jan. 23, 2003"),
     ("What date is the Kestrel planning session scheduled for?", "Monday, May 27", "Tuesday, April 30"),  # not split
     ("What is my username for OATI webOasis?", "lfcampbell", "tlfcampbell"),  # only names may be a typo apart
+    ("What number should I call to reach Dana Eales?", "Dana Eales at (330) 315-7429", "Dana Eales"),  # asked
     ("When will the Cooper database be down for scheduled maintenance?",
      "Saturday, September 15th, 8:00 AM to 5:00 PM", "Saturday, September 15th"),  # the hours are part of when
     ("Whose Louis Dreyfus processing agreement am I asked to review and approve?", "Charlie Otto",
@@ -91,6 +92,7 @@ def test_an_answer_that_misses_or_contradicts_what_was_asked_is_wrong(question, 
      "Saturday, September 15th, 8:00 AM to 5:00 PM", "Sat Sept 15 from 8am to 5pm"),
     ("From whom is the TCO book buying gas?", "Power Gas Marketing", "Power Gas Marketing at Trco"),  # a place
     ("To which company is the final Keystone Term Sheet being proposed?", "Northern Natural Gas", "NNG"),
+    ("Who did John Dean suggest contacting at FirstEnergy?", "Dana Eales at (330) 315-7429", "Dana Eales"),
     ("How much did finance approve for Falcon?", "$600,000", "$600,000 and 4 FTEs"),  # extra detail, not a hedge
     ("How often does the TNRCC State Summary File data get updated?", "every month, around the 10th",
      "every month"),  # "month," is no weekday: the trailing clause is context

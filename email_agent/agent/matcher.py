@@ -236,6 +236,9 @@ CLAUSE_START = re.compile(r"^\s*(?:which|who|whose|due|because|from|effective|fo
 def gold_core(gold: str, question: str) -> str:
     """The part of the gold answer that the question asks for (see the module's docstring)."""
     core = re.sub(r"\([^()]*\)", " ", gold) if re.sub(r"\([^()]*\)", "", gold).strip() else gold
+    if not re.search(r"\b(?:phone|number|call|fax|cell|reach|dial|extension)\b", question, re.I):
+        stripped = PHONE_RE.sub(" ", re.sub(rf"\s+(?:at|on)\s+(?={PHONE_RE.pattern})", " ", core)).strip(" ,;")
+        core = stripped or core  # "Dana Eales at (330) 315-7429" answers "who?" as "Dana Eales"
     parts = _top_level_commas(core)
     if len(parts) < 2 or TWO_THINGS.search(question) or COUNTED.search(question) or _is_list(parts):
         return core
