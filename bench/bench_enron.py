@@ -54,9 +54,9 @@ QUESTIONS = ROOT / "data" / "enron-questions" / "questions.jsonl"  # real-mail q
 TARGET_MINUTES = 90
 QWEN, SMOLLM2 = "qwen2.5-0.5b", "smollm2"
 # The recipe. The warm start does most of the learning (every expert episode; on the demo inbox 24 of them taught
-# Qwen on one seed of two); GRPO then trades guesses for "I don't know" and keeps the right answers: 4 steps with a
-# wrong answer costing 2.0 raised the score on 2 seeds (p = 0.0009 pooled), where 4 or 8 steps at 1.25 did not
-# (bench/RESULTS.md, issue 88). Episodes: 6 turns (the expert solves more in 6 than in 4: a search can fail),
+# Qwen on one seed of two); GRPO then trades guesses for "I don't know" and keeps the right answers: a wrong answer
+# costing 2.0 over 4 steps raised the score where 1.25 did not (bench/RESULTS.md, issue 88). Episodes: 6 turns
+# (the expert solves more in 6 than in 4: a search can fail),
 # 96 tokens (Enron's message ids and answers are longer than the demo's), 3 results, 600 characters of an email.
 RECIPE = dict(sft_limit=0, sft_epochs=1, sft_learning_rate=1e-3, rl_steps=4, groups_per_step=4, rollouts_per_group=4,
               rl_learning_rate=1e-4, temperature=1.0, hallucination_penalty=2.0, max_turns=6, max_tokens=96,

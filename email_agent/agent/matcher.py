@@ -12,7 +12,8 @@ gold answer is read as a core (what the question asks for) and its context, and 
 
 The core is the gold answer less its parentheses, less a trailing clause after a comma ("..., which is 100% owned
 by Enron"; not in a list: "Duke Energy, Gulf Energy, and Tejas" needs all three; not when the question asks two
-things: "when and where"), less the question's own words ("21 FTEs" for "How many FTEs ...?") and hedges
+things: "when and where"), less a phone number unless the question asks for one, less the question's own words
+("21 FTEs" for "How many FTEs ...?") and hedges
 ("approximately"). An answer is right when it holds every number, date, time and phone of the core (a year may be
 left out), at least three quarters of its names and half of its other words, names nothing the gold answer lacks
 where numbers matter ("Boardroom 3 or 7"), and is not a pasted email (its length is capped). How each rule and
