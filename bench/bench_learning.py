@@ -53,7 +53,8 @@ from shared import add_training_flags, final_vs_warm, print_pooled, print_table,
 from email_agent.config import DEMO_PRESET
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import select_questions
-from email_agent.evaluation.scores import mcnemar_exact, read_results, summarize
+from email_agent.evaluation.scores import mcnemar_exact, summarize
+from email_agent.results_file import read_results
 
 DEMO_QUESTIONS = 50  # make demo's --limit
 

@@ -28,7 +28,7 @@ from email_agent.data.build import build_database, open_sources
 from email_agent.data.email_db import EmailDB
 from email_agent.data.questions import select_questions
 from email_agent.agent.episode import Episode
-from email_agent.training.warm_start import expert_trajectories
+from email_agent.agent.demonstrations import expert_trajectories
 
 import art
 

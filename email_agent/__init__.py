@@ -9,8 +9,8 @@ One folder per stage, in the order data flows through them:
   evaluation/  an evaluation's records, figures and report
   apps/        a trained agent put to use: ask, serve (MCP), export
 Beside them, what they share: errors (UserError), cli, settings, config (training's), eval_config (the
-evaluation's), runs (a run's folder), model_api (calls to a model API and their one retry policy), redact,
-tracing, dashboard. docs/development.md maps every module.
+evaluation's), runs (a run's folder), results_file (an evaluation's results.jsonl), model_api (calls to a model
+API and their one retry policy), redact, tracing, dashboard. docs/development.md maps every module.
 """
 
 import os

@@ -8,7 +8,7 @@ The training loop itself is email_agent/training/loop.py; this module owns no be
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from email_agent import backends, cli, settings
@@ -16,10 +16,10 @@ from email_agent.settings import setting
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import UserError
 from email_agent.agent.episode import SHAPE, Episode
-from email_agent.agent.matcher import GRADER
 from email_agent.data import email_db
 
-EXPERT_NAMES = ("expert", "demo-expert")  # the scripted expert; demo-expert searches the question's names first
+# --sft-from's expert names, as agent.demonstrations.EXPERT_NAMES (not imported here: that module loads ART, seconds)
+EXPERT_NAMES = ("expert", "demo-expert")
 
 DEFAULT_DB = "data/enron_emails.db"
 DEMO_DB = email_db.DEMO_DB
@@ -132,14 +132,6 @@ DEMO_PRESET = dict(
 
 def run_dir(cfg: TrainConfig) -> Path:
     return run_path(cfg.art_dir, cfg.project, cfg.name)
-
-
-def saved_config(cfg: TrainConfig, backend: str) -> dict:
-    """What run_config.json holds. The backend and episode shape are read back by evaluation and `ask`: a run
-    is served where it was trained and plays the episodes it learned on."""
-    return {**asdict(cfg), "db": str(Path(cfg.db).resolve()),  # found from any folder the run is evaluated in
-            "backend": backend, "episode": Episode.shaped_as(cfg).shape(),
-            "offline_grader": GRADER}  # what grades answers without a judge (and when the judge fails)
 
 
 # What a CPU run takes from the demo preset when these flags are not given: its episode shape, its batch and its

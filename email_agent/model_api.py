@@ -9,6 +9,7 @@ here: the rollout reaches it through the OpenAI client, which retries by itself 
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import tenacity
@@ -31,6 +32,12 @@ def endpoint_params(api_base: str | None, api_key: str | None, timeout: float | 
     refuses to send none."""
     params = {"api_base": api_base, "api_key": api_key or ("none" if api_base else None), "timeout": timeout}
     return {k: v for k, v in params.items() if v is not None}
+
+
+def judge_endpoint(api_base: str | None, timeout: float | None = None) -> dict:
+    """litellm's arguments for the judge's endpoint (the LLM judge's and RULER's): --judge-base-url, else
+    JUDGE_API_BASE, with JUDGE_API_KEY."""
+    return endpoint_params(api_base or os.environ.get("JUDGE_API_BASE"), os.environ.get("JUDGE_API_KEY"), timeout)
 
 
 def worth_retrying(error: BaseException) -> bool:

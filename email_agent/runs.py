@@ -16,11 +16,11 @@ import os
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from email_agent.agent.episode import SHAPE, Episode
-from email_agent.agent.matcher import STRICT_GRADER
+from email_agent.agent.matcher import GRADER, STRICT_GRADER
 from email_agent.errors import UserError
 
 ART_DIR = ".art"  # where runs live: ART's layout <art_dir>/<project>/models/<name>/
@@ -193,6 +193,15 @@ RESUME_KEEPS = ("base_model", "lora_rank", "lora_alpha", "db", "seed", "val_size
 # Once GRPO has taken a step, what places a resumed run in its data: the step count times another batch size,
 # or over another question list, would skip questions or repeat them.
 GRPO_KEEPS = ("groups_per_step", "num_epochs", "unanswerable_share")
+
+
+def saved_config(settings, backend: str) -> dict:
+    """What run_config.json holds, from a run's settings (its TrainConfig, base model resolved). The backend and
+    episode shape are read back by evaluation and `ask`: a run is served where it was trained and plays the
+    episodes it learned on."""
+    return {**asdict(settings), "db": str(Path(settings.db).resolve()),  # found from any folder it is evaluated in
+            "backend": backend, "episode": {name: getattr(settings, name) for name in SHAPE},
+            "offline_grader": GRADER}  # what grades answers without a judge (and when the judge fails)
 
 
 def check_resumable(directory: Path, config: dict) -> None:

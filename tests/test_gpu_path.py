@@ -23,7 +23,7 @@ from email_agent.data import questions as qmod
 from hermes_calls import parse_tool_calls
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
-from email_agent.training.warm_start import expert_trajectories
+from email_agent.agent.demonstrations import expert_trajectories
 from email_agent.agent.tools import parse_arguments
 from scripted_server import ScriptedServer, as_vllm_renders, call, expert_script, hermes_text
 

@@ -27,7 +27,8 @@ from email_agent.training import training_data
 from email_agent.data import questions as qmod
 from email_agent.backends import readiness
 from email_agent.agent.episode import Episode
-from email_agent.training.warm_start import expert_trajectories, fine_tune
+from email_agent.agent.demonstrations import expert_trajectories
+from email_agent.training.warm_start import fine_tune
 
 import train_email_search_agent as cli
 from art_doubles import GPUService, on_a_gpu_machine

@@ -11,7 +11,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from email_agent import model_api
-from email_agent.agent import grading, llm_judge, rewards, ruler
+from email_agent.agent import grading, llm_judge, rewards
 from email_agent.data import questions as qmod
 from email_agent.errors import UserError
 from email_agent.agent.episode import Episode
@@ -78,11 +78,13 @@ def test_the_judge_comes_from_the_environment(monkeypatch, tmp_path):
     assert grading.configure(None, "openai/flag-judge", None, tmp_path)[1].model == "openai/flag-judge"
 
 
-def test_ruler_without_an_answer_judge_uses_the_judge_endpoint_and_key_from_the_environment(monkeypatch):
+def test_ruler_without_an_answer_judge_uses_the_judge_endpoint_and_key_from_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("JUDGE_API_BASE", "http://127.0.0.1:9/v1")
     monkeypatch.setenv("JUDGE_API_KEY", "judge-secret")
-    assert ruler.ruler_params(None, None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
-    assert ruler.ruler_params(None, "http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
+    assert model_api.judge_endpoint(None) == {"api_base": "http://127.0.0.1:9/v1", "api_key": "judge-secret"}
+    assert model_api.judge_endpoint("http://flag/v1")["api_base"] == "http://flag/v1"  # the flag wins
+    judge = grading.configure(None, "openai/j", None, tmp_path)[1]  # the answer judge asks the same endpoint
+    assert judge.litellm_params() == model_api.judge_endpoint(None, judge.timeout)
 
 
 def test_the_judge_cache_survives_a_torn_line(demo_db, q, tmp_path):

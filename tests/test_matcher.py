@@ -156,7 +156,8 @@ def test_a_run_resumed_under_another_grader_says_so_and_records_the_step(tmp_pat
     GRPO step yet (a warm start) changes graders without a word."""
     from email_agent import runs
 
-    from email_agent.config import TrainConfig, saved_config
+    from email_agent.config import TrainConfig
+    from email_agent.runs import saved_config
 
     now = saved_config(TrainConfig(db=str(tmp_path / "x.db")), "cpu")
     old = {k: v for k, v in now.items() if k != "offline_grader"}  # saved before the grader was recorded

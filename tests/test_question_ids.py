@@ -6,7 +6,7 @@ import pytest
 
 from email_agent.data import build, email_db, demo
 from email_agent.data import questions as qmod
-from email_agent.training.warm_start import teacher_trajectories
+from email_agent.agent.demonstrations import teacher_trajectories
 from scripted_server import expert_script, serve_in_thread
 
 import test_email_search_agent as evaluate

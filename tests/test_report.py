@@ -355,7 +355,7 @@ def test_results_file_lines_that_a_reader_cannot_use_are_counted_not_read(tmp_pa
     """read_results keeps well-typed records and counts the rest: a cut line, a metric that is not a number, a
     max_turns that is not an integer, a message that is not an object, a non-object line; bytes that are not
     UTF-8 are replaced, not fatal."""
-    from email_agent.evaluation.scores import read_results
+    from email_agent.results_file import read_results
 
     good = _rec("m", 1)
     bad = [{**good, "metrics": {**good["metrics"], "answer_correct": "yes"}}, {**good, "max_turns": "5"},
@@ -403,7 +403,8 @@ def test_small_samples_percentiles_errored_and_withheld_records(tmp_path):
     """Hand values where an off-by-one would hide: the interval of one question, the median of four latencies;
     an errored record counts wrong (and as no answer) whatever its metrics say; judge errors and records are
     counted; a record's withheld answer must be an object with a text answer and a list of sources."""
-    from email_agent.evaluation.scores import read_results, warm_start_steps
+    from email_agent.evaluation.scores import warm_start_steps
+    from email_agent.results_file import read_results
 
     lo, hi = wilson_interval(1, 1)  # z^2 = 3.8416: centre (1 + 1.9208) / 4.8416
     assert (lo, hi) == pytest.approx((0.2065, 1.0), abs=1e-4)

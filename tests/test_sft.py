@@ -13,7 +13,7 @@ from email_agent.errors import UserError
 from email_agent.agent.expert import question_keywords
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import assistant_message
-from email_agent.training.warm_start import expert_trajectories, sft_source, teacher_trajectories
+from email_agent.agent.demonstrations import expert_trajectories, sft_source, teacher_trajectories
 
 
 def test_question_keywords():

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from conftest import MAKE_DRY_RUN, ROOT
 from email_agent import backends, config, runs
 from email_agent.agent.episode import Episode
+from email_agent.agent import demonstrations
 from email_agent.training import loop, warm_start
 from email_agent.backends.vllm_server import URL_ENV
 from art_doubles import GPUService, half_solve, on_a_gpu_machine
@@ -163,22 +164,22 @@ def test_interrupt_mid_step_cancels_the_rollouts_in_flight(demo_db_path, tmp_pat
 
 def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     cfg = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="a")
-    runs.start(cli.run_dir(cfg), config.saved_config(cfg, "cpu"))
+    runs.start(cli.run_dir(cfg), runs.saved_config(cfg, "cpu"))
     (cli.run_dir(cfg) / "checkpoints").mkdir()
     changed = cli.TrainConfig(name="x", art_dir=str(tmp_path), base_model="b")
     with pytest.raises(cli.UserError, match="pass --base-model a to resume it [(]--fresh would delete the run"):
-        runs.start(cli.run_dir(cfg), config.saved_config(changed, "cpu"))
-    runs.start(cli.run_dir(cfg), config.saved_config(changed, "cpu"), fresh=True)
+        runs.start(cli.run_dir(cfg), runs.saved_config(changed, "cpu"))
+    runs.start(cli.run_dir(cfg), runs.saved_config(changed, "cpu"), fresh=True)
     # what picks the questions and the episode shape stays; rates and steps may change
     for other in (dict(seed=5), dict(val_size=0), dict(max_turns=9), dict(db="/elsewhere/me.db")):
         with pytest.raises(cli.UserError, match=f"was trained with --{next(iter(other)).replace('_', '-')} "):
-            runs.check_resumable(cli.run_dir(cfg), config.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
+            runs.check_resumable(cli.run_dir(cfg), runs.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
                                                                      "cpu"))
-    runs.check_resumable(cli.run_dir(cfg), config.saved_config(cli.TrainConfig(**{**vars(changed),
+    runs.check_resumable(cli.run_dir(cfg), runs.saved_config(cli.TrainConfig(**{**vars(changed),
                                                                                  "learning_rate": 1e-4,
                                                                                  "max_steps": 9}), "cpu"))
     # the batch size may change after the warm start (the bench does), not once GRPO has taken steps
-    wider = config.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
+    wider = runs.saved_config(cli.TrainConfig(**{**vars(changed), "groups_per_step": 6}), "cpu")
     runs.check_resumable(cli.run_dir(cfg), wider)
     (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')
     with pytest.raises(cli.UserError, match="was trained with --groups-per-step 12, not --groups-per-step 6; pass "
@@ -195,7 +196,7 @@ def test_a_changed_setting_is_refused_with_the_flag_that_resumes_the_run(demo_db
                                                                          given):
     argv = ["train", "--demo", "--db", str(demo_db_path), "--art-dir", str(tmp_path), "--name", "r"]
     cfg = cli.config_from_args(cli.make_parser().parse_args([*argv, *saved]))
-    runs.start(cli.run_dir(cfg), config.saved_config(replace(cfg, base_model=backends.CPU_BASE_MODEL), "cpu"))
+    runs.start(cli.run_dir(cfg), runs.saved_config(replace(cfg, base_model=backends.CPU_BASE_MODEL), "cpu"))
     (cli.run_dir(cfg) / "history.jsonl").write_text('{"step": 1, "train/reward": 0.5}\n')  # GRPO began
     assert cli.main([*argv, *given]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -204,7 +205,7 @@ def test_a_changed_setting_is_refused_with_the_flag_that_resumes_the_run(demo_db
     assert advice and advice[1] == " ".join(saved), error
     # the advice works: with it, the run is resumable, and it was left as it was
     resumed = cli.config_from_args(cli.make_parser().parse_args([*argv, *given, *advice[1].split()]))
-    runs.check_resumable(cli.run_dir(cfg), config.saved_config(replace(resumed, base_model=backends.CPU_BASE_MODEL),
+    runs.check_resumable(cli.run_dir(cfg), runs.saved_config(replace(resumed, base_model=backends.CPU_BASE_MODEL),
                                                              "cpu"))
     assert (cli.run_dir(cfg) / "history.jsonl").read_text().startswith('{"step": 1')
 
@@ -354,7 +355,7 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
 def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
                                                              "--max-turns", "5"]))
-    runs.start(cli.run_dir(cfg), config.saved_config(cfg, "cpu"))
+    runs.start(cli.run_dir(cfg), runs.saved_config(cfg, "cpu"))
     saved = json.loads((cli.run_dir(cfg) / "run_config.json").read_text())
     assert saved["db"] == str(Path(cli.DEMO_DB).resolve())  # found again from any folder
     assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
@@ -499,7 +500,7 @@ def test_warm_start_resumes_at_the_epoch_after_the_last_checkpoint(demo_db, capl
                           sft_schedule="constant")
     train = questions.select_questions(demo_db, "train", seed=0)[:20]
     episode = Episode(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], episode))
+    episodes = asyncio.run(demonstrations.warm_start_episodes(cfg.sft_from, cfg.sft_limit, demo_db, train, [], episode))
     run = {"step": 0, "state": {}, "trained": [], "log": []}
     with pytest.raises(Killed):  # dies during epoch 2, after epoch 1's checkpoint (step 1)
         asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(run, die_in_epoch=2), episodes))
@@ -521,7 +522,7 @@ def test_a_resumed_warm_start_continues_the_learning_rate_schedule_where_it_stop
                           sft_learning_rate=1e-3, sft_schedule="linear")
     train = questions.select_questions(demo_db, "train", seed=0)[:30]
     episode = Episode(max_turns=4, max_body_chars=600, search_results=3)
-    episodes = asyncio.run(warm_start.warm_start_episodes(cfg, demo_db, train, [], episode))
+    episodes = asyncio.run(demonstrations.warm_start_episodes(cfg.sft_from, cfg.sft_limit, demo_db, train, [], episode))
     whole = {"step": 0, "state": {}, "trained": [], "log": []}
     asyncio.run(warm_start.fine_tune(cfg, SFTRecorder(whole), episodes))
     rates = [r for _, _, epoch_rates in whole["trained"] for r in epoch_rates]

@@ -40,7 +40,7 @@ from email_agent.backends.cpu import CPUBackend
 from email_agent.errors import UserError
 from email_agent.agent.episode import Episode
 from email_agent.agent.rollout import Policy, rollout
-from email_agent.training.warm_start import expert_trajectories
+from email_agent.agent.demonstrations import expert_trajectories
 
 from train_email_search_agent import TrainConfig
 

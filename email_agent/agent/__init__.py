@@ -11,4 +11,5 @@ Modules, in the order an episode flows through them:
             episode's answer graded (and graded again: the train loop after a judge outage, `--rejudge`)
   rewards   the Rubric turned into a number: the shaped and binary rewards, RULER's scores as a group's rewards
   expert    the scripted expert the warm start imitates, played through the same rollout
+  demonstrations  the episodes the warm start imitates: the expert's, or a teacher's from an evaluation folder
 """

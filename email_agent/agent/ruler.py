@@ -1,31 +1,31 @@
 """RULER's judge: a group of trajectories scored against each other by a judge model (ART's RULER), scores checked.
 
-Owns: where RULER's requests go (`ruler_params`) and asking its judge for one group's scores (`ruler_group`), each
-score matched to its trajectory by id. The group's rewards from those scores, and the mark on a group it could
-not score, are `rewards`'; how a call is retried is `model_api`'s.
+Owns: asking its judge for one group's scores (`ruler_group`), each score matched to its trajectory by id. The
+group's rewards from those scores, and the mark on a group it could not score, are `rewards`'; where its requests
+go (the judge's endpoint, `judge_endpoint`) and how a call is retried are `model_api`'s.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from email_agent import model_api
 from email_agent.agent import rewards
 from email_agent.redact import redact
 
-if TYPE_CHECKING:  # annotations only
-    from email_agent.agent.llm_judge import LLMJudge
 
+@dataclass(frozen=True)
+class Ruler:
+    """A run's RULER: its judge model and endpoint; `score` is the reward of each group of rollouts as it
+    completes (`gather_trajectory_groups(after_each=...)`), and of a group again after the judge was down."""
 
-def ruler_params(judge: LLMJudge | None, judge_base_url: str | None) -> dict:
-    """Where RULER's requests go: the judge's endpoint, else --judge-base-url / JUDGE_API_BASE (RULER needs
-    no --judge-model of its own, only --ruler-model)."""
-    if judge:
-        return judge.litellm_params()
-    return model_api.endpoint_params(judge_base_url or os.environ.get("JUDGE_API_BASE"),
-                                     os.environ.get("JUDGE_API_KEY"))
+    model: str
+    api_base: str | None = None  # the judge's endpoint: --judge-base-url, else JUDGE_API_BASE
+    timeout: float | None = None
+
+    async def score(self, group):
+        return await ruler_group(group, self.model, model_api.judge_endpoint(self.api_base, self.timeout))
 
 
 async def ruler_group(group, judge_model: str, extra_litellm_params: dict | None = None, attempts: int = 2):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -281,6 +281,28 @@ def hide_wandb_key(backend: str, wandb: bool, environ=os.environ) -> bool:
         return False
     del environ["WANDB_API_KEY"]
     return True
+
+
+def check_machine(cfg, say: Callable[[str], None]) -> tuple[Backend, Any, BackendSettings]:
+    """The machine's start-up check for `train` (`cfg`: its TrainConfig): the backend --backend names, `cfg` with
+    its base model resolved (the default for this machine; "smollm2" spelled out), and the backend's settings.
+    What it needs that is missing here is told through `say` and refused in one sentence before anything loads;
+    without --wandb, W&B's key is hidden from ART."""
+    backend = get(cfg.backend)
+    gpu = backend.find_gpu()
+    base_model = cfg.base_model or backend.default_base_model(BackendSettings.of(cfg), gpu)
+    if base_model == "smollm2":  # the CPU backend's short name: one run, one spelling in its config
+        base_model = CPU_BASE_MODEL
+    cfg = replace(cfg, base_model=base_model)
+    settings = BackendSettings.of(cfg)
+    ready = backend.readiness(settings, gpu)
+    if ready is not None:
+        say("\n".join(ready.report()))
+        if not ready.ok:
+            raise UserError(f"--backend {backend.name} cannot start here; missing: " + "; ".join(ready.missing))
+    if hide_wandb_key(backend.name, cfg.wandb):
+        say("W&B: off (no --wandb): WANDB_API_KEY is hidden from ART for this run")
+    return backend, cfg, settings
 
 
 def make_backend(name: str, settings: BackendSettings):

@@ -19,7 +19,7 @@ from email_agent.agent import grading
 from email_agent.agent.episode import Episode
 from email_agent.data.questions import Question
 from email_agent.errors import UserError
-from email_agent.evaluation.scores import read_results
+from email_agent.results_file import read_results
 
 log = logging.getLogger(__name__)
 

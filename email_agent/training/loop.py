@@ -32,9 +32,8 @@ from dataclasses import replace
 import art
 
 from email_agent import backends, cli, dashboard, runs
-from email_agent.agent import grading, rewards
+from email_agent.agent import rewards
 from email_agent.agent.rollout import Policy
-from email_agent.agent.ruler import ruler_group
 from email_agent.config import DEMO_PRESET, TrainConfig, opening_lines
 from email_agent.data.questions import Question
 from email_agent.errors import UserError
@@ -44,23 +43,25 @@ from email_agent.training.run_plan import Plan
 
 async def train(cfg: TrainConfig) -> None:
     """A training run, or its preflight (`cfg`'s flags already refused if no run can use them: run_plan.check_flags)."""
-    plan = await run_plan.resolve(cfg)  # the start-up checks (data, machine, resume), before anything is saved or loads
+    plan = await run_plan.resolve(cfg)  # the start-up checks (data, machine, resume, grader): all that can refuse
     cfg = plan.config
+    print("\n".join(opening_summary(plan)), file=sys.stderr)
     # fails here, before anything is saved, if it cannot run
     backend = plan.backend.make(plan.backend_settings)
     new_run = not plan.run_folder.exists()
     runs.start(plan.run_folder, plan.run_config, fresh=cfg.fresh, preflight=cfg.preflight)
-    model = trainable_model(plan)
-    print("\n".join(opening_summary(plan)), file=sys.stderr)
+    model = art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model, base_path=cfg.art_dir,
+                               report_metrics=["wandb"] if cfg.wandb else [],
+                               _internal_config=plan.backend.model_config(plan.backend_settings))
     # every row ART logs from here on (warm start, steps, validations; any backend) reaches TensorBoard as it lands
     mirror = dashboard.Mirror(plan.run_folder).start() if cfg.tensorboard and not cfg.preflight else None
     try:
         await model.register(backend)
+        # may reopen a warm start (deleted checkpoints)
+        state = await runs.check_state(plan.run_folder, plan.state, model)
         policy = Policy.for_model(model, temperature=cfg.temperature, max_concurrency=cfg.concurrency)
         tokenizer = plan.backend.tokenizer(backend, cfg.base_model)  # None: a remote backend renders
         arguments = training_data.argument_form(tokenizer.chat_template if tokenizer else None)
-        # may reopen a warm start (deleted checkpoints)
-        state = await runs.check_state(plan.run_folder, plan.state, model)
         warm_start_pending = bool(cfg.sft_from) and not state.get("sft_done")
         # RL steps are counted after the warm start's checkpoints, so a resumed run finds its place in the data
         # (a warm start still to finish, even half done, comes before any RL step).
@@ -148,21 +149,11 @@ def at_mean_reward(group: art.TrajectoryGroup) -> art.TrajectoryGroup:
 
 # ---- the run opened ------------------------------------------------------------------------------
 
-def trainable_model(plan: Plan) -> art.TrainableModel:
-    cfg = plan.config
-    return art.TrainableModel(name=cfg.name, project=cfg.project, base_model=cfg.base_model,
-                              base_path=cfg.art_dir, report_metrics=["wandb"] if cfg.wandb else [],
-                              _internal_config=plan.backend.model_config(plan.backend_settings))
-
-
 def opening_summary(plan: Plan) -> list[str]:
     """What the run is about to do, for a person, at its start."""
-    episode = plan.episode
     return opening_lines(plan.config, plan.backend.name, len(plan.train_questions),
                          len(plan.rl_questions) - len(plan.train_questions), len(plan.val_questions), plan.rl_steps,
-                         rewards.describe(episode.reward, episode.judge, plan.ruler_model,
-                                          plan.ruler_params.get("api_base"), episode.hallucination_penalty),
-                         warm_start_done=bool(plan.state.get("sft_done")))
+                         plan.reward_line, warm_start_done=bool(plan.state.get("sft_done")))
 
 
 # ---- a step up to its update: gather, regrade, can it learn ---------------------------------------
@@ -181,28 +172,17 @@ async def gather(plan: Plan, policy: Policy, questions: list[Question], step: in
         (art.TrajectoryGroup(plan.rollout(policy, q, plan.db, plan.episode)
                              for _ in range(plan.config.rollouts_per_group)) for q in questions),
         pbar_desc=f"step {step}", max_exceptions=0.5, max_metrics=4,
-        after_each=(lambda group: ruler(plan, group)) if plan.episode.reward == "ruler" else None)
+        after_each=plan.ruler.score if plan.ruler else None)
 
 
 async def regrade_while_the_judge_is_down(plan: Plan, groups: list[art.TrajectoryGroup], step: int
                                           ) -> list[art.TrajectoryGroup]:
     """The groups the judge graded: one that is down is waited for while the rollouts are kept, one that stays
-    down stops the run at this step (judge_outages)."""
-    by_id = {q.id: q for q in plan.rl_questions}
-
-    async def rejudge(group):  # a group the judge failed on, judged again
-        if plan.episode.reward == "ruler":
-            return await ruler(plan, group)
-        return await grading.regrade_judge_failures(group, by_id, plan.episode)
-
-    return await judge_outages.settle(groups, rejudge, reward_mode=plan.episode.reward,
+    down stops the run at this step (judge_outages); `plan.regrade` grades a failed group again."""
+    return await judge_outages.settle(groups, plan.regrade, reward_mode=plan.episode.reward,
                                       patience=plan.config.judge_patience,
                                       step=step + 1,  # the number of the checkpoint it would make
                                       notify=lambda line: cli.print_progress(line, to_stderr=True))
-
-
-def ruler(plan: Plan, group: art.TrajectoryGroup):
-    return ruler_group(group, plan.ruler_model, plan.ruler_params)
 
 
 def say_whether_it_can_learn(plan: Plan, health: step_health.Health, warm_start_pending: bool
@@ -259,9 +239,8 @@ async def run_warm_start(plan: Plan, model: art.TrainableModel, policy: Policy,
     """The run's warm start (SFT on the expert's or a teacher's episodes), marked done in its state, then a
     validation; returns its last step."""
     cfg = plan.config
-    episodes = plan.sft_episodes or await warm_start.warm_start_episodes(cfg, plan.db, plan.train_questions,
-                                                                         plan.val_questions, plan.episode)
-    await warm_start.fine_tune(cfg, model, training_data.for_sft(episodes, arguments), say=cli.print_progress)
+    await warm_start.fine_tune(cfg, model, training_data.for_sft(plan.sft_episodes, arguments),
+                               say=cli.print_progress)
     state = model.merge_state({"sft_done": True, "sft_steps": await model.get_step()})
     policy.model = model.get_inference_name()
     if plan.val_questions:
