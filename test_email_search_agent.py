@@ -7,7 +7,7 @@
     python test_email_search_agent.py --config eval/20261123-101500/eval_config.json --limit 20   # run it again
 
 Every model plays the same rollout (email_agent.agent.rollout) over the same questions; a trained run is served
-by the backend it was trained on and plays the episode shape it was trained with (flags override). Each
+by the backend it was trained on and plays with the episode limits it was trained with (flags override). Each
 model's endpoint is probed before the first rollout. The output folder holds results.jsonl (one line per
 question x model, enough to re-judge without re-running), summary.json, report.html / report.md and
 eval_config.json (every setting; `--config` reads it back, the flags given winning: email_agent/eval_config.py).
@@ -33,7 +33,7 @@ from email_agent.evaluation import records, report, scores
 from email_agent.models import opened, servers
 from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
-from email_agent.agent.episode import SHAPE, Episode
+from email_agent.agent.episode import LIMITS, Episode
 from email_agent.data.questions import Question, id_sort_key, question_counts, select_questions
 from email_agent.eval_config import EvalConfig
 
@@ -65,7 +65,7 @@ async def evaluate(cfg: EvalConfig, written: list[Path]) -> int:
         opened_models = await open_models(cfg.model, servers.Servers(serving_options(cfg), stack))
         histories = {c.label: scores.load_history(c.history, c.step) for c in opened_models
                      if c.history and c.history.exists()}
-        lines = [f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.shape.describe()}" for c in opened_models]
+        lines = [f"{c.label}: {c.backend}, tool_choice={c.tool_choice}, {c.limits.describe()}" for c in opened_models]
         print(*lines, f"evaluating {len(opened_models)} model(s) on {len(questions)} {cfg.split} questions -> {out}",
               sep="\n", file=sys.stderr)
         labels = [c.label for c in opened_models]
@@ -99,7 +99,7 @@ def serving_options(cfg: EvalConfig) -> opened.Options:
                           api_key=cfg.api_key, temperature=cfg.temperature, timeout=cfg.timeout,
                           concurrency=cfg.concurrency, seed=cfg.seed,
                           cpu_lora_rank=opened.cpu_lora_rank(cfg.model, cfg.art_dir),
-                          shape={name: getattr(cfg, name) for name in SHAPE})
+                          limits={name: getattr(cfg, name) for name in LIMITS})
 
 
 def open_questions(cfg: EvalConfig) -> tuple[EmailDB, list[Question]]:
@@ -127,7 +127,7 @@ async def open_models(specs: list[str], servers: servers.Servers) -> list[opened
     the other models' rollouts."""
     art_dir = servers.options.art_dir
     opened.check_specs(specs, art_dir)
-    shared = opened.shared_run_shape(specs, art_dir)
+    shared = opened.shared_run_limits(specs, art_dir)
     opened_models = [await opened.open_model(spec, servers, shared) for spec in specs]
     labels = [c.label for c in opened_models]
     if len(set(labels)) < len(labels):  # e.g. RUN and RUN@N where N is its latest step

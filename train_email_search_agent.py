@@ -168,10 +168,10 @@ def ask_command(args) -> None:
     spec, db = ask.model_and_db(args.model, args.db, args.art_dir, DEFAULT_DB)
     question = ask.adhoc_question(db, args.question, args.inbox, args.as_of)
     options = opened.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key, concurrency=1,
-                                 shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
+                                 limits={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     live = {} if args.json else dict(
         on_call=lambda *call: print(ask.describe_call(*call), flush=True),
-        on_start=lambda label, shape: print(f"{label} ({shape}) asks {question.inbox_address}'s inbox as of "
+        on_start=lambda label, limits: print(f"{label} ({limits}) asks {question.inbox_address}'s inbox as of "
                                             f"{question.query_date}:", file=sys.stderr))
     result = asyncio.run(ask.ask(spec, question, db, options, grounded_answers=args.grounded_answers, **live))
     print(json.dumps(result.to_json(), indent=2, ensure_ascii=False) if args.json else ask.answer_text(result))
@@ -218,7 +218,7 @@ def train_command(args) -> None:
     # is made and before ART loads (seconds); the loop asks the others
     run_plan.check_flags(cfg)
     if preset := cpu_preset(args):
-        print("CPU backend: the CPU preset's episode shape and batch ("
+        print("CPU backend: the CPU preset's episode limits and batch ("
               + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in preset.items())
               + "); give these flags to change them", file=sys.stderr)
     with runs.lock(cfg.art_dir, cfg.project, cfg.name):

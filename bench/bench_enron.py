@@ -14,9 +14,9 @@ episodes of the *train* questions (`train --sft-only --sft-from expert`); GRPO, 
 of the base model, the warm start, the final checkpoint, the base model prompted with tool_choice=required, and make
 demo's trained agent when one is in --demo-art-dir, on held-out *test* questions, with the HTML report. The three
 commands share one vLLM server per seed (EMAIL_AGENT_VLLM_URL), started here: each would start its own. Then the
-table, the expert's ceiling in this episode shape, exact McNemar tests (right answers) and sign tests (score: right
-+1, hallucinated -1) of the final agent against the base and the warm start, pooled over the seeds when there are
-several, and each phase's time.
+table, the expert's ceiling within these episode limits, exact McNemar tests (right answers) and sign tests (score:
+right +1, hallucinated -1) of the final agent against the base and the warm start, pooled over the seeds when
+there are several, and each phase's time.
 
 The recipe is chosen by the CPU, and said at the start: Qwen2.5-0.5B (make setup-qwen) where the CPU multiplies
 bfloat16 natively (AMX or AVX512-BF16); elsewhere Qwen's warm start runs about 9x slower and its rollouts 15-20x
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         pairs[seed], base_pairs[seed], seed_times = bench_seed(args, seed, db, work / f"seed-{seed}")
         for phase, seconds in seed_times.items():
             times[f"{phase} (seed {seed})"] = seconds
-    print(f"\nthe expert, in this episode shape ({args.max_turns} turns of {args.max_tokens} tokens, 3 results, "
+    print(f"\nthe expert, with these episode limits ({args.max_turns} turns of {args.max_tokens} tokens, 3 results, "
           f"emails cut at 600 characters):")
     for label, ceiling in ceilings.items():
         print(f"  {label}: {ceiling.describe()}")
@@ -153,7 +153,7 @@ def build(args, db: Path) -> float:
                "--quiet")
 
 
-def shape(args) -> list[str]:
+def limit_flags(args) -> list[str]:
     return ["--max-turns", str(args.max_turns), "--max-tokens", str(args.max_tokens), "--max-body-chars", "600",
             "--search-results", "3"]
 
@@ -162,7 +162,7 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
     """(the warm start's train command, GRPO's): one run, resumed."""
     train = ["train_email_search_agent.py", "train", "--db", str(db), "--art-dir", str(art_dir), "--name", "enron",
              "--backend", "cpu", "--base-model", args.base_model, "--keep-checkpoints", "all", "--seed", str(seed),
-             "--val-size", str(args.val_size), "--train-limit", str(args.train_limit), *shape(args),
+             "--val-size", str(args.val_size), "--train-limit", str(args.train_limit), *limit_flags(args),
              "--sft-from", "expert", "--sft-limit", str(args.sft_limit), "--sft-epochs", str(args.sft_epochs),
              "--sft-learning-rate", str(args.sft_learning_rate), "--sft-schedule", "constant",
              "--sft-batch-size", "4", "--groups-per-step", str(args.groups_per_step),
@@ -232,7 +232,7 @@ def evaluate(args, db: Path, art_dir: Path, run_dir: Path, report: Path, base_ur
     models = ["--model", "base", "--base-model", args.base_model, "--model", f"enron@{sft_step}",
               "--model", "enron@latest"]
     demo = args.demo_art_dir / "email-agent" / "models" / "demo"
-    if (demo / "run_config.json").is_file() and not args.quick:  # make demo's agent, in the shape it trained in
+    if (demo / "run_config.json").is_file() and not args.quick:  # make demo's agent, with the limits it trained with
         demo_base = json.loads((demo / "run_config.json").read_text()).get("base_model", "")
         if served_model_dir(demo_base) != served_model_dir(args.base_model):  # the seed's one server serves one base
             print(f"(make demo's agent is a LoRA of {demo_base}, not of this run's base model: left out)")
@@ -245,7 +245,7 @@ def evaluate(args, db: Path, art_dir: Path, run_dir: Path, report: Path, base_ur
         models += ["--model", f"hosted_vllm/{base_name}", "--base-url", base_url]
     return run("evaluate", "test_email_search_agent.py", "--db", str(db), "--art-dir", str(art_dir), *models,
                "--limit", str(args.test_questions), "--output", str(report), "--concurrency", str(args.concurrency),
-               *shape(args), "--grounded-answers")
+               *limit_flags(args), "--grounded-answers")
 
 
 @contextmanager
@@ -278,7 +278,7 @@ def one_server(args, seed: int, log_path: Path):
 
 def expert_ceilings(db_path: Path, args) -> dict[str, Ceiling]:
     """The expert's ceiling on the questions the warm start learns from and on the test questions evaluated (and
-    on every test question), in the bench's episode shape; nothing is trained on the test ones."""
+    on every test question), with the bench's episode limits; nothing is trained on the test ones."""
     with closing(EmailDB(db_path)) as db:
         cfg = TrainConfig(db=str(db_path), val_size=args.val_size, seed=args.seeds[0], train_limit=args.train_limit)
         _, train, _ = training_questions(db, cfg)

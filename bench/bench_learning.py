@@ -146,8 +146,8 @@ def train_commands(args, seed: int, db: Path, art_dir: Path) -> tuple[list[str],
         # the warm start takes them too: a resumed seed (GRPO begun) must keep its batch size (runs.GRPO_KEEPS)
         return [*common, *flags, "--sft-only"], [[*common, *flags]]
     penalty = 1.0 if args.hallucination_penalty is None else args.hallucination_penalty  # ART·E's
-    shape = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
-    train = [*common, "--val-size", "16", *shape, "--sft-limit", str(args.sft_limit),
+    limit_flags = ["--max-turns", "4", "--max-tokens", "64", "--max-body-chars", "600", "--search-results", "3"]
+    train = [*common, "--val-size", "16", *limit_flags, "--sft-limit", str(args.sft_limit),
              "--sft-epochs", str(args.sft_epochs), "--sft-learning-rate", str(args.sft_learning_rate)]
     grpo = [*train, "--groups-per-step", str(args.groups_per_step or 6), "--rollouts-per-group", "4",
             "--eval-every", str(args.eval_every), "--learning-rate", str(args.rl_learning_rate),

@@ -69,7 +69,7 @@ async def latency(args, spec, base_url, questions, db) -> None:
         read, write = await stack.enter_async_context(stdio_client(params))
         session = await stack.enter_async_context(ClientSession(read, write))
         await session.initialize()
-        print(f"{opened_model.label} ({opened_model.shape.describe()}), {len(questions)} questions x {args.rounds} "
+        print(f"{opened_model.label} ({opened_model.limits.describe()}), {len(questions)} questions x {args.rounds} "
               f"round(s), in-process and over MCP (stdio) alternately", flush=True)
         first = questions[0]
         await ask.answer_question(opened_model, first, db, True)  # warm both (first-request costs are not MCP's)

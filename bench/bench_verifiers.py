@@ -2,7 +2,7 @@
 
 One CPU vLLM server is started the way the evaluation starts it (email_agent.models.servers: the run's base
 model, its checkpoint loaded as a LoRA named RUN@STEP) and both harnesses play against it, with greedy decoding,
-the run's episode shape, the grounding check as `make demo` evaluates, on the same questions:
+the run's episode limits, the grounding check as `make demo` evaluates, on the same questions:
 
   project    test_email_search_agent.py --model RUN@STEP --limit N --grounded-answers   (EMAIL_AGENT_VLLM_URL=server)
   verifiers  vf-eval email-inbox -m RUN@STEP -n N --sampling.temperature 0 --env.taskset.run RUN ... (.venv-verifiers)

@@ -4,7 +4,7 @@ Each configuration starts its own server for one LoRA checkpoint and does, one a
   start-up   seconds from starting the server to its first answer on /v1/models;
   warm-up    the first chat request (2 tokens) after that;
   eval       the evaluation's work: `rollout` of the checkpoint on --questions held-out test questions, greedy,
-             8 at once, in the demo preset's episode shape (4 turns, 64 tokens, 3 results, 600-character bodies);
+             8 at once, with the demo preset's episode limits (4 turns, 64 tokens, 3 results, 600-character bodies);
   grpo       a GRPO step's rollouts: 2 training questions x 4 rollouts at temperature 0.7, the demo preset's step
              when this bench was written (2026-12-02; config.DEMO_PRESET's step is wider now), so that its figures
              stay comparable;
@@ -44,7 +44,7 @@ from email_agent.agent.rollout import Policy, rollout
 import openai
 import psutil
 
-SHAPE = Episode(max_turns=4, max_tokens=64, max_body_chars=600, search_results=3)
+LIMITS = Episode(max_turns=4, max_tokens=64, max_body_chars=600, search_results=3)
 AT_ONCE = 8  # the evaluation's --concurrency and the server's batch
 GRPO_QUESTIONS, GRPO_ROLLOUTS, GRPO_TEMPERATURE = 2, 4, 0.7  # the demo preset's step of 2026-12-02
 
@@ -110,7 +110,7 @@ async def play(client, questions, db, temperature: float, rollouts: int, seed: i
     """`rollout` of every question `rollouts` times, AT_ONCE at a time: (trajectories, seconds)."""
     policy = Policy(client, "bench", temperature=temperature, max_concurrency=AT_ONCE)
     started = time.monotonic()
-    trajectories = await asyncio.gather(*(rollout(policy, q, db, SHAPE)
+    trajectories = await asyncio.gather(*(rollout(policy, q, db, LIMITS)
                                           for q in questions for _ in range(rollouts)))
     return trajectories, time.monotonic() - started
 
@@ -167,7 +167,7 @@ async def main(args: argparse.Namespace) -> None:
     grpo_questions = select_questions(db, "train", seed=0, limit=GRPO_QUESTIONS)
     print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f}; checkpoint {args.checkpoint}")
     print(f"eval: {len(eval_questions)} test questions, {AT_ONCE} at once, greedy; grpo: {GRPO_QUESTIONS} train "
-          f"questions x {GRPO_ROLLOUTS} at temperature {GRPO_TEMPERATURE}; shape {SHAPE}")
+          f"questions x {GRPO_ROLLOUTS} at temperature {GRPO_TEMPERATURE}; limits {LIMITS}")
     reference = None
     for name in args.configurations.split(","):
         r = await measure(name, args.checkpoint, eval_questions, grpo_questions, db, Path(args.log_dir))

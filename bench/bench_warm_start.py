@@ -3,7 +3,7 @@ copy brought up to date in place after each optimizer step (the code as it is) b
 the merged copy rebuilt from scratch after each step (a copy of the LoRA model and a merge, as before
 2026-11-25), in the same process on the same episodes (a script that prints figures; not a test).
 
-The episodes are the demo expert's on the demo inbox's train questions at the demo preset's shape (4 turns,
+The episodes are the demo expert's on the demo inbox's train questions with the demo preset's limits (4 turns,
 600 body characters, 3 results per search), in batches of 4 at the preset's learning rate; each variant starts
 from the same new LoRA. The variants alternate over --rounds, so a machine whose speed drifts affects both.
 

@@ -1,5 +1,5 @@
 """A training run's configuration: the typed `TrainConfig` (one flag per field, declared with its help and the
-values it allows: `settings.setting`), the presets (`--demo`, and the CPU backend's episode shape and batch), the
+values it allows: `settings.setting`), the presets (`--demo`, and the CPU backend's episode limits and batch), the
 checks made before anything loads, and what is saved beside the run (`run_config.json`) and told at its start.
 
 The training loop itself is email_agent/training/loop.py; this module owns no behaviour of it.
@@ -15,7 +15,7 @@ from email_agent import backends, cli, settings
 from email_agent.settings import setting
 from email_agent.runs import ART_DIR, PROJECT, check_name, read_state, run_path
 from email_agent.errors import UserError
-from email_agent.agent.episode import SHAPE, Episode
+from email_agent.agent.episode import LIMITS, Episode
 from email_agent.data import email_db
 
 # --sft-from's expert names, as agent.demonstrations.EXPERT_NAMES (not imported here: that module loads ART, seconds)
@@ -125,7 +125,7 @@ DEMO_PRESET = dict(
     advantage_balance=0.5, scale_rewards=False,
     hallucination_penalty=1.25,  # scored higher than 1.0 and 1.5 did
     temperature=0.8,  # scored higher, and more right, than 1.0
-    # the episode shape a 135M model on two cores can afford
+    # the episode limits a 135M model on two cores can afford
     max_turns=4, max_tokens=64, max_body_chars=600, search_results=3,
     eval_every=3, val_size=8)
 
@@ -134,10 +134,10 @@ def run_dir(cfg: TrainConfig) -> Path:
     return run_path(cfg.art_dir, cfg.project, cfg.name)
 
 
-# What a CPU run takes from the demo preset when these flags are not given: its episode shape, its batch and its
+# What a CPU run takes from the demo preset when these flags are not given: its episode limits, its batch and its
 # warm start's rate. The GPU-scale defaults (12 groups x 4 rollouts of up to 10 turns of 1,024 tokens) take hours
 # a step on two cores, and the GPU's warm-start rate (1e-4, for a 7B model) teaches a small CPU model no tool call.
-CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", *SHAPE, "concurrency", "sft_learning_rate",
+CPU_PRESET_KEYS = ("groups_per_step", "rollouts_per_group", *LIMITS, "concurrency", "sft_learning_rate",
                    "sft_schedule", "sft_batch_size")
 
 

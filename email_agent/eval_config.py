@@ -5,7 +5,7 @@ beside the report and read back.
 
 Precedence: a flag given on the command line wins over a saved eval_config.json (`--config FILE`), which wins over
 the defaults. `--rejudge DIR` plays nothing: what was played (`PLAYED`: the models, the questions and the episode
-shape) is read from DIR/eval_config.json and may not be given as a flag; how answers are scored comes from the
+limits) is read from DIR/eval_config.json and may not be given as a flag; how answers are scored comes from the
 command line, as for any evaluation.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from email_agent import runs, settings
-from email_agent.agent.episode import MEANINGS, SHAPE, Episode
+from email_agent.agent.episode import LIMITS, MEANINGS, Episode
 from email_agent.agent.rewards import REWARD_MODES
 from email_agent.backends import CPU_BASE_MODEL
 from email_agent.config import DEFAULT_DB, DEMO_DB
@@ -29,8 +29,8 @@ from email_agent.settings import setting
 
 EVAL_CONFIG = "eval_config.json"  # beside results.jsonl and the report
 
-_SHAPE_HELP = ("(default: what each trained run was trained with; for base and prompted models the runs' shape if "
-               "they share one, else {})")
+_LIMITS_HELP = ("(default: what each trained run was trained with; for base and prompted models the runs' limits if "
+                "they share them, else {})")
 
 
 @dataclass
@@ -49,14 +49,14 @@ class EvalConfig:
     single_source: bool = setting(False, "only questions with one gold email")
     seed: int = setting(0, "question order and sampling seed")
     concurrency: int = setting(8, "simultaneous rollouts per model, and the CPU server's decoding batch", ge=1)
-    # the episode shape (None: each model's own)
-    max_turns: int | None = setting(None, f"{MEANINGS['max_turns']} {_SHAPE_HELP.format(Episode.max_turns)}", ge=1)
-    max_tokens: int | None = setting(None, f"{MEANINGS['max_tokens']} {_SHAPE_HELP.format(Episode.max_tokens)}",
+    # the episode limits (None: each model's own)
+    max_turns: int | None = setting(None, f"{MEANINGS['max_turns']} {_LIMITS_HELP.format(Episode.max_turns)}", ge=1)
+    max_tokens: int | None = setting(None, f"{MEANINGS['max_tokens']} {_LIMITS_HELP.format(Episode.max_tokens)}",
                                      ge=1)
     max_body_chars: int | None = setting(
-        None, f"{MEANINGS['max_body_chars']} {_SHAPE_HELP.format(Episode.max_body_chars)}", ge=1)
+        None, f"{MEANINGS['max_body_chars']} {_LIMITS_HELP.format(Episode.max_body_chars)}", ge=1)
     search_results: int | None = setting(
-        None, f"{MEANINGS['search_results']} {_SHAPE_HELP.format(Episode.search_results)}", ge=1)
+        None, f"{MEANINGS['search_results']} {_LIMITS_HELP.format(Episode.search_results)}", ge=1)
     # how models are served and asked
     temperature: float = setting(0.0, "sampling temperature (omitted for OpenAI reasoning models)", ge=0, le=2)
     timeout: float = setting(300.0, "seconds per model request", gt=0, finite=True,
@@ -87,7 +87,7 @@ class EvalConfig:
 
 
 # What --rejudge reads from the evaluation it re-scores, and refuses as flags: it plays no episode again.
-PLAYED = ("model", "limit", "split", "db", "demo", "single_source", *SHAPE)
+PLAYED = ("model", "limit", "split", "db", "demo", "single_source", *LIMITS)
 
 
 def load(given: dict, config_file: str | None = None) -> EvalConfig:

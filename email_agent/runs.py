@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from email_agent.agent.episode import SHAPE, Episode
+from email_agent.agent.episode import LIMITS, Episode
 from email_agent.agent.matcher import GRADER, STRICT_GRADER
 from email_agent.errors import UserError
 
@@ -80,7 +80,7 @@ class Run:
         return self.config["base_model"]
 
     @property
-    def shape(self) -> Episode:
+    def limits(self) -> Episode:
         return Episode.from_run_config(self.config)
 
     def steps(self) -> list[int]:
@@ -118,8 +118,8 @@ def config_problem(config) -> str | None:
     if not isinstance(episode, dict):
         return f"episode is {episode!r}, not an object"
     for key, value in [*((k, config[k]) for k in CONFIG_TYPES if config.get(k) is not None),
-                       *((f"episode.{name}", episode[name]) for name in SHAPE if name in episode),
-                       *((name, config[name]) for name in SHAPE if config.get(name) is not None)]:
+                       *((f"episode.{name}", episode[name]) for name in LIMITS if name in episode),
+                       *((name, config[name]) for name in LIMITS if config.get(name) is not None)]:
         kind = CONFIG_TYPES.get(key, int)
         if type(value) is not kind or kind is int and value < 1:
             return f"{key} is {value!r}, not a{' positive' if kind is int else ''} {kind.__name__}"
@@ -186,10 +186,10 @@ def check_name(flag: str, value: str) -> None:
 
 
 # What a resumed run must keep: the model and its LoRA, the questions it trains and validates on (the seed
-# and these settings pick them: changed, validation questions could be trained on), and the episode shape it
+# and these settings pick them: changed, validation questions could be trained on), and the episode limits it
 # learned and is evaluated with. Rates, steps, rewards and sampling may change between runs.
 RESUME_KEEPS = ("base_model", "lora_rank", "lora_alpha", "db", "seed", "val_size", "train_limit", "single_source",
-                "min_realistic", *SHAPE)
+                "min_realistic", *LIMITS)
 # Once GRPO has taken a step, what places a resumed run in its data: the step count times another batch size,
 # or over another question list, would skip questions or repeat them.
 GRPO_KEEPS = ("groups_per_step", "num_epochs", "unanswerable_share")
@@ -197,10 +197,10 @@ GRPO_KEEPS = ("groups_per_step", "num_epochs", "unanswerable_share")
 
 def saved_config(settings, backend: str) -> dict:
     """What run_config.json holds, from a run's settings (its TrainConfig, base model resolved). The backend and
-    episode shape are read back by evaluation and `ask`: a run is served where it was trained and plays the
+    episode limits are read back by evaluation and `ask`: a run is served where it was trained and plays the
     episodes it learned on."""
     return {**asdict(settings), "db": str(Path(settings.db).resolve()),  # found from any folder it is evaluated in
-            "backend": backend, "episode": {name: getattr(settings, name) for name in SHAPE},
+            "backend": backend, "episode": {name: getattr(settings, name) for name in LIMITS},
             "offline_grader": GRADER}  # what grades answers without a judge (and when the judge fails)
 
 
@@ -261,7 +261,7 @@ def as_flag(key: str, value) -> str:
 
 def start(directory: Path, config: dict, fresh: bool = False, preflight: bool = False) -> None:
     """Resume the run in `directory` (after `check_resumable`), or start it; `fresh` deletes it first. Saves
-    `config` (the resolved training config with the backend and episode shape) unless this is a `preflight`,
+    `config` (the resolved training config with the backend and episode limits) unless this is a `preflight`,
     which changes nothing a later run or evaluation reads."""
     config_path = directory / "run_config.json"
     if fresh and directory.exists():

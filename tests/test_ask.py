@@ -7,7 +7,7 @@ import pytest
 from email_agent.data import questions as qmod
 from scripted_server import call, expert_script, serve_in_thread
 from art_doubles import on_a_gpu_machine
-from test_evaluate import GPU_SHAPE, make_gpu_run
+from test_evaluate import GPU_LIMITS, make_gpu_run
 
 import train_email_search_agent as cli
 
@@ -79,7 +79,7 @@ def test_ask_with_grounded_answers_withholds_an_invented_answer(demo_db_path, q,
     assert result["withheld"] == {"answer": "Bittern 77Z", "sources": q.message_ids, "unseen": ["77Z"]}
 
 
-def test_ask_without_model_uses_the_most_recent_run_and_its_shape(demo_db_path, q, tmp_path, capsys, monkeypatch):
+def test_ask_without_model_uses_the_most_recent_run_and_its_limits(demo_db_path, q, tmp_path, capsys, monkeypatch):
     assert ask("Anything?", "--inbox", q.inbox_address, "--db", demo_db_path, "--art-dir", tmp_path / "none") == 1
     err = capsys.readouterr().err
     assert "no trained run under" in err and "--model" in err and "base" in err and "Traceback" not in err
@@ -90,7 +90,7 @@ def test_ask_without_model_uses_the_most_recent_run_and_its_shape(demo_db_path, 
                    "--json") == 0
         policy_requests = [r for r in server.requests if r.get("tools")]
     assert {r["model"] for r in policy_requests} == {"gpu@2"}
-    assert {r["max_completion_tokens"] for r in policy_requests} == {GPU_SHAPE["max_tokens"]}
+    assert {r["max_completion_tokens"] for r in policy_requests} == {GPU_LIMITS["max_tokens"]}
     assert json.loads(capsys.readouterr().out)["model"] == "gpu@2"
 
 

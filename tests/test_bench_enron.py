@@ -42,7 +42,7 @@ def test_the_real_mail_recipe_runs_each_phase_and_writes_its_report(tmp_path):
     art = work / "seed-0" / "art"
     logs = sorted(log.relative_to(art).as_posix() for log in art.rglob("vllm*.log"))
     assert logs == ["logs/vllm.log"], logs
-    for line in ("the expert, in this episode shape", "McNemar p =", "sign test p =", "targets (issue 80):",
+    for line in ("the expert, with these episode limits", "McNemar p =", "sign test p =", "targets (issue 80):",
                  "wall time: build"):
         assert line in out, line
     # run again: the report is kept, nothing trained again

@@ -339,7 +339,7 @@ def test_bench_learning_help_gives_the_presets_figures():
         assert flat(quote.format(**figures)) in text, quote
 
 
-def test_gpu_smoke_and_bench_vllm_say_the_presets_step_and_shape():
+def test_gpu_smoke_and_bench_vllm_say_the_presets_step_and_limits():
     import sys
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_smoke
@@ -349,12 +349,12 @@ def test_gpu_smoke_and_bench_vllm_say_the_presets_step_and_shape():
     assert flat("2 GRPO steps of {groups} groups x {rollouts} rollouts (up to {turns} turns".format(**figures)) in plan
     assert not re.search(r"\d+ min", plan + gpu_smoke.__doc__), "gpu_smoke gives a time no GPU has measured"
     # bench_vllm's GRPO step is the preset's of 2026-12-02 on purpose (its figures stay comparable); its episode
-    # shape is the preset's
+    # limits are the preset's
     source = (ROOT / "bench" / "bench_vllm.py").read_text()
-    assert ("SHAPE = Episode(max_turns={turns}, max_tokens={tokens}, max_body_chars={body}, search_results={results})"
+    assert ("LIMITS = Episode(max_turns={turns}, max_tokens={tokens}, max_body_chars={body}, search_results={results})"
             .format(**figures)) in source
-    assert "in the demo preset's episode shape ({turns} turns, {tokens} tokens, {results} results, {body}-character" \
-        .format(**figures) in source
+    assert ("with the demo preset's episode limits ({turns} turns, {tokens} tokens, {results} results, "
+            "{body}-character").format(**figures) in source
 
 
 def test_the_evaluation_help_names_the_files_it_writes():

@@ -417,9 +417,9 @@ def test_partial_failures_alone_exit_zero(demo_db_path, demo_questions, tmp_path
     assert (s["n_errors"], s["accuracy"]) == (1, pytest.approx(5 / 6))
 
 
-# ---- a run is served by the backend it was trained on, with the shape it was trained with -------------
+# ---- a run is served by the backend it was trained on, with the limits it was trained with ------------
 
-GPU_SHAPE = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
+GPU_LIMITS = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
 
 
 def make_gpu_run(art_dir, name="gpu"):
@@ -428,7 +428,7 @@ def make_gpu_run(art_dir, name="gpu"):
         (run / "checkpoints" / f"{step:04d}").mkdir(parents=True)
     config = {"name": name, "backend": "local", "base_model": "Qwen/Qwen2.5-7B-Instruct", "lora_rank": 8,
               "lora_alpha": 16, "max_seq_length": 4096, "gpu_memory_utilization": 0.6, "enforce_eager": True,
-              "max_num_seqs": 16, "episode": GPU_SHAPE, **GPU_SHAPE}
+              "max_num_seqs": 16, "episode": GPU_LIMITS, **GPU_LIMITS}
     (run / "run_config.json").write_text(json.dumps(config))
     (run / "history.jsonl").write_text(json.dumps({"step": 2, "val/reward": 0.5}) + "\n")
     return run
@@ -455,11 +455,11 @@ def test_a_gpu_run_is_served_by_art_at_the_requested_step(demo_db_path, demo_que
     trained = [r for r in requests if r["model"] == "gpu@1" and r["messages"][0]["role"] == "system"]
     prompted = [r for r in requests if r["model"] == "expert" and r["messages"][0]["role"] == "system"]
     assert trained and all(r["max_completion_tokens"] == 64 and "tool_choice" not in r for r in trained)
-    # The prompted model plays the run's shape too (like for like), with tool_choice required.
+    # The prompted model plays with the run's limits too (like for like), with tool_choice required.
     assert prompted and all(r["max_completion_tokens"] == 64 and r["tool_choice"] == "required" for r in prompted)
     assert "up to 4 turns" in trained[0]["messages"][0]["content"]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["models"]["gpu@1"]["episode"] == GPU_SHAPE and summary["models"]["gpu@1"]["backend"] == "local"
+    assert summary["models"]["gpu@1"]["episode"] == GPU_LIMITS and summary["models"]["gpu@1"]["backend"] == "local"
     assert summary["models"]["gpu@1"]["tool_choice"] == "auto"
     assert summary["models"]["gpu@1"]["concurrency"] == summary["models"]["hosted_vllm/expert"]["concurrency"] == 3
     assert summary["models"]["hosted_vllm/expert"]["tool_choice"] == "required"
@@ -481,7 +481,7 @@ def test_two_steps_of_one_gpu_run_share_one_backend(demo_db_path, demo_questions
     assert sorted(summary["models"]) == ["gpu@1", "gpu@2"] and summary["models"]["gpu@2"]["n"] == 2
 
 
-def test_flags_override_the_run_shape_and_the_latest_step_needs_no_adapter_load(demo_db_path, demo_questions,
+def test_flags_override_the_run_limits_and_the_latest_step_needs_no_adapter_load(demo_db_path, demo_questions,
                                                                                tmp_path, monkeypatch):
     make_gpu_run(tmp_path / "art")
     with on_a_gpu_machine(monkeypatch, {q.question: expert_script(q) for q in demo_questions[:1]}) as (_, server, _):
@@ -490,7 +490,7 @@ def test_flags_override_the_run_shape_and_the_latest_step_needs_no_adapter_load(
         assert server.adapters == []
         assert {r["max_completion_tokens"] for r in server.requests if r.get("tools")} == {99}
     record = json.loads((tmp_path / "out" / "results.jsonl").read_text())
-    assert record["model"] == "gpu@2" and record["episode"] == {**GPU_SHAPE, "max_tokens": 99}
+    assert record["model"] == "gpu@2" and record["episode"] == {**GPU_LIMITS, "max_tokens": 99}
 
 
 def test_a_gpu_run_without_a_gpu_says_what_is_missing_and_the_alternative(demo_db_path, tmp_path, capsys,

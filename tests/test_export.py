@@ -22,7 +22,7 @@ from email_agent.data.questions import select_questions
 from email_agent.agent.rollout import SYSTEM_PROMPT
 from email_agent.agent.tools import TOOLS, Inbox, call_tool
 
-SHAPE = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
+LIMITS = {"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -30,7 +30,7 @@ def make_run(art_dir: Path, name: str, backend: str, base_model: str, steps=(), 
     folder = art_dir / "email-agent" / "models" / name
     folder.mkdir(parents=True)
     (folder / "run_config.json").write_text(json.dumps(
-        {"backend": backend, "base_model": base_model, "lora_rank": 8, "lora_alpha": 16, "episode": SHAPE, **config}))
+        {"backend": backend, "base_model": base_model, "lora_rank": 8, "lora_alpha": 16, "episode": LIMITS, **config}))
     for step in steps:
         write_fake_adapter(folder / "checkpoints" / f"{step:04d}")
     return folder
@@ -141,7 +141,7 @@ def test_a_qwen_cpu_run_is_not_exported_as_an_adapter_for_the_hubs_base(tmp_path
 
 def test_gpu_run_lora_is_the_adapter_with_a_readme_for_vllm(tmp_path, capsys):
     run = make_run(tmp_path, "qwen", "local", "Qwen/Qwen2.5-7B-Instruct", steps=(1, 2),
-                   episode={**SHAPE, "max_turns": 7})
+                   episode={**LIMITS, "max_turns": 7})
     out = tmp_path / "export"
     assert cli.main(["export", "--model", "qwen@1", "--format", "lora", "--output", str(out), "--art-dir",
                      str(tmp_path), "--quiet"]) == 0
@@ -154,7 +154,7 @@ def test_gpu_run_lora_is_the_adapter_with_a_readme_for_vllm(tmp_path, capsys):
     readme = (out / "README.md").read_text()
     assert (f"vllm serve Qwen/Qwen2.5-7B-Instruct --enable-lora --max-lora-rank 16 --lora-modules "
             f"agent={out.resolve()} --enable-auto-tool-choice --tool-call-parser hermes\n") in readme
-    assert "You have up to 7 turns." in readme and "{inbox}" in readme  # the run's shape; the per-question blanks
+    assert "You have up to 7 turns." in readme and "{inbox}" in readme  # the run's limits; the per-question blanks
     assert json.dumps(TOOLS, indent=2) in readme
     assert "dequantized" not in readme  # the GGUF caveat is for CPU runs
 

@@ -107,13 +107,13 @@ def test_walkthrough_cpu_warm_start_from_a_teacher(walkthrough):
     db.close()
     agent.update({q.question: expert_script(q) for q in train_qs})
     agent[train_qs[0].question] = expert_script(train_qs[0], answer="9999")  # a wrong answer
-    shape = ["--max-turns", 3, "--max-body-chars", 600, "--search-results", 3]
+    limit_flags = ["--max-turns", 3, "--max-body-chars", 600, "--search-results", 3]
     command("test_email_search_agent.py", "--db", tmp / "my.db", "--split", "train", "--single-source", "--model",
             "hosted_vllm/scripted", "--base-url", server.base_url, "--output", tmp / "teacher", "--art-dir",
-            tmp / "art", *shape)
+            tmp / "art", *limit_flags)
     result = command("train_email_search_agent.py", "train", "--db", tmp / "my.db", "--name", "distil", "--art-dir",
                      tmp / "art", "--sft-from", tmp / "teacher", "--sft-only", "--sft-epochs", 1, "--sft-batch-size", 4,
-                     *shape, "--max-tokens", 48, "--val-size", 0, "--cpu-train-threads", 1)
+                     *limit_flags, "--max-tokens", 48, "--val-size", 0, "--cpu-train-threads", 1)
     assert "the teacher played" not in result.stderr
     # The wrong answer is left out: it would teach the small model to invent.
     assert f"warm start: {len(train_qs) - 1} trajectories from {tmp / 'teacher'}" in result.stderr, result.stderr
@@ -192,10 +192,10 @@ def test_walkthrough_on_real_mail_with_the_expert(tmp_path):
                             "hosted_vllm/gen", "--base-url", server.base_url, "--inbox", inbox, "--batch-size", 40,
                             "--max-questions", 16, "--test-fraction", 0.25, "--quiet")
     assert re.search(r"added [1-9]\d* test, [1-9]\d* train", generated.stdout), generated.stdout
-    shape = ["--max-turns", 4, "--max-tokens", 64]  # short episodes: the evaluation and ask below play them too
+    limit_flags = ["--max-turns", 4, "--max-tokens", 64]  # short episodes: the evaluation and ask below play them too
     trained = command("train_email_search_agent.py", "train", "--db", tmp_path / "me.db", "--name", "me", "--art-dir",
                       tmp_path / "art", "--sft-from", "expert", "--sft-only", "--sft-limit", 4, "--sft-batch-size", 4,
-                      "--sft-learning-rate", "1e-3", "--val-size", 0, "--cpu-train-threads", 1, *shape)
+                      "--sft-learning-rate", "1e-3", "--val-size", 0, "--cpu-train-threads", 1, *limit_flags)
     ceiling = re.search(r"expert on the (\d+) train questions, in 4 turns: solved (\d+) of", trained.stderr)
     assert ceiling and int(ceiling[2]) > 0, trained.stderr[-3000:]
     assert "warm start: 4 trajectories from expert" in trained.stderr

@@ -178,7 +178,7 @@ def test_the_score_is_right_minus_hallucinated_and_its_sign_test_says_what_train
     assert "What training changed" in (tmp_path / "report.html").read_text()
 
 
-def test_report_states_tool_choice_and_episode_shape(tmp_path):
+def test_report_states_tool_choice_and_episode_limits(tmp_path):
     trained = dict(_rec("run@3", 1), tool_choice="auto", backend="cpu", concurrency=8,
                    episode={"max_turns": 4, "max_tokens": 64, "max_body_chars": 600, "search_results": 3})
     prompted = dict(_rec("openai/o4-mini", 1), tool_choice="required", backend="api",
@@ -389,9 +389,9 @@ def test_console_lines_state_each_figure_and_what_is_unknown():
     lines = console_lines({"models": {"trained": known, "base": unknown}, "pairs": pairs})
     assert lines == [
         f"{'trained':>32}  accuracy 50.0%  hallucination 12.5%  score +0.38  turns 3.2  n=8  errors 1  "
-        "tool_choice auto  shape 6 turns/512 tokens",
+        "tool_choice auto  limits 6 turns/512 tokens",
         f"{'base':>32}  accuracy n/a  hallucination n/a  score n/a  turns n/a  n=0  errors 0  tool_choice n/a  "
-        "shape ? turns/? tokens",
+        "limits ? turns/? tokens",
         "trained vs base: 1 vs 7 questions only one got right, McNemar p=0.0703: no significant difference",
         "trained vs other: 0 vs 6 questions only one got right, McNemar p=0.0312: other is better",
         "trained vs other on the score (right +1, hallucinated -1): higher on 5 vs 0 questions, sign test "

@@ -342,8 +342,8 @@ def test_reward_ordering_holds_everywhere(penalty):
     assert worst_correct > best_idk and worst_sound_idk > best_wrong
 
 
-def test_an_episode_shape_and_a_served_model_become_the_rollouts_settings():
-    """Catches: a shape's turns or results per search dropped on the way to the environment (the evaluation of a
+def test_an_episodes_limits_and_a_served_model_become_the_rollouts_settings():
+    """Catches: an episode's turn limit or results per search dropped on the way to the environment (the evaluation of a
     checkpoint must play the episodes it was trained on), or a trained model's client left without a time limit
     (a hung server would stall a training step for ever)."""
     import art
@@ -351,7 +351,7 @@ def test_an_episode_shape_and_a_served_model_become_the_rollouts_settings():
 
     trained = Episode(max_turns=3, max_tokens=50, max_body_chars=700, search_results=4, reward="offline")
     episode = trained.scored(Episode(max_turns=10, search_results=9, reward="judge", grounded_answers=True))
-    assert episode.shape() == {"max_turns": 3, "max_tokens": 50, "max_body_chars": 700, "search_results": 4}
+    assert episode.limits() == {"max_turns": 3, "max_tokens": 50, "max_body_chars": 700, "search_results": 4}
     assert (episode.reward, episode.grounded_answers) == ("judge", True)
     model = art.Model(name="agent", project="p", inference_base_url="http://127.0.0.1:9/v1",
                       inference_model_name="agent@2")

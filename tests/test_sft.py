@@ -129,10 +129,10 @@ def test_a_teacher_folder_with_unreadable_results(demo_db, tmp_path, caplog):
     assert len(trajs) == 1 and "1 unreadable line(s)" in caplog.text
 
 
-def test_teacher_played_in_another_episode_shape_is_flagged(demo_db, tmp_path, caplog):
+def test_teacher_played_with_other_episode_limits_is_flagged(demo_db, tmp_path, caplog):
     train_id = qmod.select_questions(demo_db, "train")[0].id
-    shape = {"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10}
-    (tmp_path / "results.jsonl").write_text(json.dumps({**record(train_id), "episode": shape}) + "\n")
+    limits = {"max_turns": 10, "max_tokens": 1024, "max_body_chars": 4000, "search_results": 10}
+    (tmp_path / "results.jsonl").write_text(json.dumps({**record(train_id), "episode": limits}) + "\n")
     same = Episode(max_turns=10, max_body_chars=4000, search_results=10)
     with caplog.at_level(logging.WARNING, logger="email_agent"):
         assert len(teacher_trajectories(tmp_path, demo_db, same)) == 1

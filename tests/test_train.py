@@ -170,7 +170,7 @@ def test_refuses_changed_base_model_and_fresh_starts_over(tmp_path):
     with pytest.raises(cli.UserError, match="pass --base-model a to resume it [(]--fresh would delete the run"):
         runs.start(cli.run_dir(cfg), runs.saved_config(changed, "cpu"))
     runs.start(cli.run_dir(cfg), runs.saved_config(changed, "cpu"), fresh=True)
-    # what picks the questions and the episode shape stays; rates and steps may change
+    # what picks the questions and the episode limits stay; rates and steps may change
     for other in (dict(seed=5), dict(val_size=0), dict(max_turns=9), dict(db="/elsewhere/me.db")):
         with pytest.raises(cli.UserError, match=f"was trained with --{next(iter(other)).replace('_', '-')} "):
             runs.check_resumable(cli.run_dir(cfg), runs.saved_config(cli.TrainConfig(**{**vars(changed), **other}),
@@ -214,7 +214,7 @@ def test_demo_preset_and_explicit_flags(monkeypatch):
     args = cli.make_parser().parse_args(["train", "--demo", "--max-steps", "7", "--no-single-source"])
     cfg = cli.config_from_args(args)
     assert (cfg.max_steps, cfg.single_source, cfg.db, cfg.sft_from) == (7, False, cli.DEMO_DB, "demo-expert")
-    # without --demo, a CPU run takes the CPU preset's episode shape and batch (test_judge_outage), a GPU run none
+    # without --demo, a CPU run takes the CPU preset's episode limits and batch (test_judge_outage), a GPU run none
     monkeypatch.setattr(backends, "cuda_available", lambda: True)
     assert cli.config_from_args(cli.make_parser().parse_args(["train"])) == cli.TrainConfig()
 
@@ -352,7 +352,7 @@ def test_remote_backends_get_keys_from_the_environment_only(monkeypatch, capsys)
     assert "wandb-secret-123" not in shown.out + shown.err
 
 
-def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
+def test_the_run_saves_its_episode_limits_for_evaluation(tmp_path):
     cfg = cli.config_from_args(cli.make_parser().parse_args(["train", "--demo", "--art-dir", str(tmp_path),
                                                              "--max-turns", "5"]))
     runs.start(cli.run_dir(cfg), runs.saved_config(cfg, "cpu"))
@@ -360,9 +360,9 @@ def test_the_run_saves_its_episode_shape_for_evaluation(tmp_path):
     assert saved["db"] == str(Path(cli.DEMO_DB).resolve())  # found again from any folder
     assert saved["episode"] == {"max_turns": 5, "max_tokens": 64, "max_body_chars": 600, "search_results": 3}
     run = runs.find_run("demo", str(tmp_path))
-    assert run.shape == Episode(5, 64, 600, 3) and run.backend == "cpu"
+    assert run.limits == Episode(5, 64, 600, 3) and run.backend == "cpu"
     # A run saved before the "episode" entry existed: its top-level flags say the same.
-    assert Episode.from_run_config({k: v for k, v in saved.items() if k != "episode"}) == run.shape
+    assert Episode.from_run_config({k: v for k, v in saved.items() if k != "episode"}) == run.limits
     assert Episode.from_run_config({}) == Episode()
 
 
@@ -638,9 +638,9 @@ def test_kill_9_during_warm_start_epoch_2_resumes_at_epoch_2(demo_db_path, tmp_p
 
 
 @pytest.mark.parametrize("seed, run", [(None, "demo"), ("1", "demo-seed1")])
-def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_shape(seed, run):
-    """`make demo` evaluates the trained agent as it was trained: no shape flag overrides the run's own shape
-    (test_the_run_saves_its_episode_shape_for_evaluation checks that evaluation reads it). `SEED=1` trains and
+def test_make_demo_evaluates_50_questions_with_the_runs_own_episode_limits(seed, run):
+    """`make demo` evaluates the trained agent as it was trained: no limit flag overrides the run's own limits
+    (test_the_run_saves_its_episode_limits_for_evaluation checks that evaluation reads it). `SEED=1` trains and
     evaluates run demo-seed1, so it never resumes seed 0's run."""
     dry = subprocess.run([*MAKE_DRY_RUN, "demo", *([f"SEED={seed}"] if seed else [])], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout

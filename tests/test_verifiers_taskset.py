@@ -28,7 +28,7 @@ VF_PYTHON = ROOT / ".venv-verifiers" / "bin" / "python"
 needs_verifiers = pytest.mark.skipif(not VF_PYTHON.exists(),
                                      reason="no .venv-verifiers: `make setup-verifiers` makes it")
 
-SHAPE = dict(max_turns=4, max_body_chars=600, search_results=3)  # the demo run's
+LIMITS = dict(max_turns=4, max_body_chars=600, search_results=3)  # the demo run's
 RUBRIC = ("answer_correct", "hallucinated", "returned_i_dont_know", "attempted_answer", "sources_correct",
           "withheld_answer", "withheld_right", "num_turns", "ran_out_of_turns", "ever_found_right_email",
           "ever_read_right_email", "ever_read_invalid_email", "searches", "tool_calls", "valid_tool_calls",
@@ -73,7 +73,7 @@ def replies_of(traj) -> list[dict]:
 def played(demo_db, demo_db_path):
     """Six episodes played by the project's rollout, then scored (and the tools called) by the taskset."""
     qs = qmod.select_questions(demo_db, "test", seed=0)[:6]
-    episode = Episode(**SHAPE, grounded_answers=True)
+    episode = Episode(**LIMITS, grounded_answers=True)
 
     async def play():
         async with ScriptedServer(scripts_for(qs)) as server:
@@ -90,7 +90,7 @@ def played(demo_db, demo_db_path):
                   [q.id, "read_email", json.dumps({"message_id": q.message_ids[0]})],
                   [q.id, "read_email", json.dumps({"message_id": other.message_ids[0]})],  # another inbox's mail
                   [q.id, "search_inbox", json.dumps({"keywords": ["x"], "folder": "inbox"})]]
-    request = {"db": str(demo_db_path), **SHAPE, "task": {"grounded_answers": True}, "tool_calls": tool_calls,
+    request = {"db": str(demo_db_path), **LIMITS, "task": {"grounded_answers": True}, "tool_calls": tool_calls,
                "episodes": [{"question_id": q.id, "replies": replies_of(t)} for q, t in zip(qs, trajs)]}
     return qs, trajs, tool_calls, in_verifiers(request)
 
@@ -120,7 +120,7 @@ def test_tasks_are_the_evaluations_questions_with_the_projects_prompt(played, de
     _, _, _, out = played
     expected = qmod.select_questions(demo_db, "test", seed=0)
     assert out["order"] == [q.id for q in expected]
-    episode = Episode(**SHAPE)
+    episode = Episode(**LIMITS)
     for q in expected[:5]:
         system, user = (m["content"] for m in first_messages(q, episode))
         assert out["prompts"][str(q.id)] == [system, user]
@@ -130,8 +130,8 @@ def test_tasks_are_the_evaluations_questions_with_the_projects_prompt(played, de
 def test_the_tool_server_offers_and_runs_the_projects_tools_in_the_questions_inbox_only(played, demo_db):
     qs, _, tool_calls, out = played
     q = qs[0]
-    inbox = Inbox(demo_db, q.inbox_address, q.query_date, max_body_chars=SHAPE["max_body_chars"],
-                  default_max_results=SHAPE["search_results"])
+    inbox = Inbox(demo_db, q.inbox_address, q.query_date, max_body_chars=LIMITS["max_body_chars"],
+                  default_max_results=LIMITS["search_results"])
     listed = out["tool_results"][0]["listed"]
     assert [{"type": "function", "function": {"name": t["name"], "description": t["description"],
                                               "parameters": t["inputSchema"]}} for t in listed] == TOOLS
@@ -159,7 +159,7 @@ def test_vf_eval_plays_the_scripted_episodes_as_the_projects_rollout_did(played,
         done = subprocess.run(
             [str(VF_PYTHON.parent / "vf-eval"), "email-inbox", "-m", "scripted", "--client.base-url", server.base_url,
              "--client.api-key-var", "SCRIPTED_KEY", "-n", "6", "-c", "6", "--env.taskset.db", str(demo_db_path),
-             *[f"--env.taskset.{k.replace('_', '-')}={v}" for k, v in SHAPE.items()],
+             *[f"--env.taskset.{k.replace('_', '-')}={v}" for k, v in LIMITS.items()],
              "--env.taskset.task.grounded-answers", "true", "--no-push", "--no-rich", "-o", str(tmp_path),
              "--run.dir", "run"],
             env={**os.environ, "PATH": f"{VF_PYTHON.parent}{os.pathsep}{os.environ['PATH']}", "SCRIPTED_KEY": "test"},

@@ -1,7 +1,7 @@
 """Run by .venv-verifiers' Python (tests/test_verifiers_taskset.py): the taskset loaded by verifiers' own loader,
 its tool server's handlers, its hooks and its scoring, on episodes given on stdin. Prints one JSON object.
 
-stdin: {"db": path, "run"|shape fields..., "episodes": [{"question_id": id, "replies": [{"content": text|null,
+stdin: {"db": path, "run"|limit fields..., "episodes": [{"question_id": id, "replies": [{"content": text|null,
 "tool_calls": [[name, arguments as sent], ...]}, ...]}], "tool_calls": [[question_id, name, arguments], ...]}
 """
 

@@ -1,4 +1,4 @@
-"""The agent's episode: the shape it plays, its tools, the rollout, and how an episode is scored.
+"""The agent's episode: the limits it plays in, its tools, the rollout, and how an episode is scored.
 
 Modules, in the order an episode flows through them:
   episode   `Episode`: turns, reply length, email length, results per search (saved with each run)

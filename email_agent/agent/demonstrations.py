@@ -30,7 +30,7 @@ from email_agent.errors import UserError
 from email_agent.data.email_db import EmailDB
 from email_agent.agent.expert import Ceiling, ExpertPolicy
 from email_agent.data.questions import Question, withheld
-from email_agent.agent.episode import PROMPT_SHAPE, Episode
+from email_agent.agent.episode import PROMPT_LIMITS, Episode
 from email_agent.agent.rollout import rollout
 from email_agent.agent.tools import TOOLS
 from email_agent.results_file import read_results
@@ -89,7 +89,7 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, episode: Episode | Non
     """Judged-correct, correctly cited episodes from an evaluation folder's results.jsonl, never of the test
     split nor of the `held_out` questions (those training validates on).
 
-    With `episode`, warns when the teacher played another episode shape than the one being trained: its system
+    With `episode`, warns when the teacher played with other episode limits than the ones being trained: its system
     prompt names another number of turns and its tool replies are longer or shorter than the student's will be.
     """
     path = Path(folder) / "results.jsonl"
@@ -102,10 +102,10 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, episode: Episode | Non
     if not records:
         raise UserError(f"--sft-from {folder}: results.jsonl holds no episodes (is it an evaluation's results?)")
     held_out_ids = {q.id for q in held_out}
-    trajs, shapes, skipped = [], set(), 0
+    trajs, played_limits, skipped = [], set(), 0
     for record in records:
         played = record.get("episode") or {}
-        shapes.add(tuple(played.get(key) for key in PROMPT_SHAPE))
+        played_limits.add(tuple(played.get(key) for key in PROMPT_LIMITS))
         m = record.get("metrics") or {}
         if record.get("error") or record["question_id"] in test_ids or not (m.get("answer_correct")
                                                                               and m.get("sources_correct")):
@@ -121,15 +121,15 @@ def teacher_trajectories(folder: str | Path, db: EmailDB, episode: Episode | Non
         logger.info("--sft-from %s: %d episode(s) of the questions this run validates on left out of the warm "
                     "start", folder, skipped)
     if episode is not None:
-        wanted = tuple(getattr(episode, key) for key in PROMPT_SHAPE)
-        other = sorted({shape for shape in shapes if None not in shape and shape != wanted})
+        wanted = tuple(getattr(episode, key) for key in PROMPT_LIMITS)
+        other = sorted({limits for limits in played_limits if None not in limits and limits != wanted})
         if other:
-            shapes_played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, shape)) for shape in other)
+            limits_played = "; ".join(", ".join(f"{k} {v}" for k, v in zip(PROMPT_LIMITS, limits)) for limits in other)
             logger.warning("--sft-from %s: the teacher played %s, this run trains with %s: evaluate the teacher "
                            "with the same --max-turns, --max-body-chars and --search-results as `train`, or the "
                            "warm start teaches from prompts and tool replies the agent will not see", folder,
-                           shapes_played,
-                           ", ".join(f"{k} {v}" for k, v in zip(PROMPT_SHAPE, wanted)))
+                           limits_played,
+                           ", ".join(f"{k} {v}" for k, v in zip(PROMPT_LIMITS, wanted)))
     return trajs
 
 

@@ -1,6 +1,6 @@
 """The scripted expert: an agent for any question set whose questions cite their emails, played through the real
 `rollout` like any model. Its episodes are the warm start's (`--sft-from expert`), and what it solves is the
-ceiling of an episode shape: what a good agent could do in that many turns, results and characters.
+ceiling of an episode's limits: what a good agent could do in that many turns, results and characters.
 
 It sees what a good agent sees (the question, the tool results, and which correspondents the inbox has mail
 from, and how many of its emails each word of the question matches) and uses the gold answer only to recognise
@@ -146,7 +146,7 @@ def names_address(words: list[str], address: str) -> bool:
 
 @dataclass
 class Ceiling:
-    """What the expert did with a set of questions: how much of it an agent could solve in that episode shape."""
+    """What the expert did with a set of questions: how much of it an agent could solve within those episode limits."""
 
     questions: int
     solved: int  # right answer, citing the gold email

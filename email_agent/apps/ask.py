@@ -49,7 +49,7 @@ def model_and_db(spec: str | None, db_path: str | None, art_dir: str, default_db
 @dataclass
 class Answer:
     model: str  # the opened model's label, e.g. demo@5
-    shape: str  # the episode shape it played, described
+    limits: str  # the episode limits it played with, described
     question: Question
     answer: str | None  # None: no final answer within the turns
     sources: list[str]
@@ -72,19 +72,19 @@ async def ask(spec: str, question: Question, db: EmailDB, options: opened.Option
               on_call: Callable | None = None, on_start: Callable | None = None,
               grounded_answers: bool = False) -> Answer:
     """Serve and probe the model, play one rollout; `on_call(name, arguments, outcome)` sees each tool call as
-    it happens and `on_start(label, shape)` is called once the model answers the probe. `grounded_answers`:
+    it happens and `on_start(label, limits)` is called once the model answers the probe. `grounded_answers`:
     see `grading.withhold_ungrounded`."""
     async with contextlib.AsyncExitStack() as stack:
         opened_model = await opened.open_model(spec, Servers(options, stack))
         await opened.probe(opened_model)
         if on_start:
-            on_start(opened_model.label, opened_model.shape.describe())
+            on_start(opened_model.label, opened_model.limits.describe())
         return await answer_question(opened_model, question, db, grounded_answers, on_call)
 
 
 async def answer_question(opened_model: opened.OpenedModel, question: Question, db: EmailDB,
                           grounded_answers: bool = False, on_call: Callable | None = None) -> Answer:
-    """One rollout of an opened model (served once, asked many times by `serve`), in its episode shape."""
+    """One rollout of an opened model (served once, asked many times by `serve`), with its episode limits."""
     # here, not at the top: rollout imports ART (torch, seconds), and this module loads for every subcommand and --help
     from email_agent.agent.rollout import rollout
 
@@ -103,7 +103,7 @@ async def answer_question(opened_model: opened.OpenedModel, question: Question, 
     sources = json.loads(traj.metadata["sources"])
     visible = day_after(question.query_date)
     cited = [(mid, db.read(mid, inbox=question.inbox_address, visible_until=visible)) for mid in sources]
-    return Answer(opened_model.label, opened_model.shape.describe(), question, traj.metadata.get("answer"), sources,
+    return Answer(opened_model.label, opened_model.limits.describe(), question, traj.metadata.get("answer"), sources,
                   cited, traj.metrics["num_turns"], bool(traj.metrics["ran_out_of_turns"]), calls,
                   json.loads(traj.metadata["withheld"]) if traj.metadata.get("withheld") else None)
 
@@ -152,7 +152,7 @@ def add_arguments(p, default_db: str) -> None:
 
 
 def add_model_arguments(p, default_db: str) -> None:
-    """Which model answers, on which database, in which episode shape: the flags `ask` and `serve` share."""
+    """Which model answers, on which database, with which episode limits: the flags `ask` and `serve` share."""
     add_db_flags(p, None, f"database (default: the run's own, else {default_db})")
     p.add_argument("--model", metavar="SPEC", help="RUN[@STEP] (default: the most recent run), base, or a "
                                                    "provider/model such as openai/o4-mini or hosted_vllm/NAME")

@@ -7,7 +7,7 @@
 Owns: resolving RUN[@STEP] to a checkpoint (through `runs`), checking the checkpoint and the output folder
 before anything loads, building each format in a temporary folder renamed into place at the end (a failed
 export leaves nothing behind), and the README.md each export carries: how to load it in each runtime, and how
-to prompt it (the system prompt, tool schemas and episode shape the run was trained with, from `rollout`,
+to prompt it (the system prompt, tool schemas and episode limits the run was trained with, from `rollout`,
 `tools` and the run's run_config.json). It trains and serves nothing.
 """
 
@@ -335,7 +335,7 @@ def readme(run: Run, step: int, fmt: str, target: Path) -> str:
     # here, not at the top: rollout imports ART (torch, seconds), which --help never needs
     from email_agent.agent.rollout import SYSTEM_PROMPT
 
-    shape = run.shape
+    limits = run.limits
     base = hub_base(run)
     name = run.name
     where = str(target.resolve())
@@ -364,17 +364,17 @@ def readme(run: Run, step: int, fmt: str, target: Path) -> str:
               "`tool` message (the JSON below, or a one-sentence `Error: ...` for a bad call); a reply without a "
               "tool call gets the user message `Error: reply with a tool call (search_inbox, read_email or "
               "return_final_answer), not plain text.` The episode ends with `return_final_answer`, or after "
-              f"{shape.max_turns} turns. Evaluation plays it greedily (temperature 0).", "",
-              f"Episode shape the run was trained with (its run_config.json): {shape.max_turns} turns, at most "
-              f"{shape.max_tokens} tokens per reply, email bodies cut at {shape.max_body_chars} characters "
-              f"(`[... N more characters cut]`), {shape.search_results} results per search unless the model asks "
+              f"{limits.max_turns} turns. Evaluation plays it greedily (temperature 0).", "",
+              f"Episode limits the run was trained with (its run_config.json): {limits.max_turns} turns, at most "
+              f"{limits.max_tokens} tokens per reply, email bodies cut at {limits.max_body_chars} characters "
+              f"(`[... N more characters cut]`), {limits.search_results} results per search unless the model asks "
               "for another `max_results`.", "",
               "The model writes a tool call as `<tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call>` "
               "(the Hermes format: vLLM's `--tool-call-parser hermes`, llama.cpp's `--jinja`, and this project's "
               "CPU server parse it).", "",
               "System prompt (`{inbox}`: the user's address; `{today}`: the day the question is asked, YYYY-MM-DD; "
               "mail dated later is hidden from the tools):", "", "```text",
-              SYSTEM_PROMPT.replace("{max_turns}", str(shape.max_turns)), "```", "", "Tools:", "", "```json",
+              SYSTEM_PROMPT.replace("{max_turns}", str(limits.max_turns)), "```", "", "Tools:", "", "```json",
               json.dumps(TOOLS, indent=2), "```", "",
               "`search_inbox` returns a JSON list of `{message_id, subject, from_address, date, snippet}`, best "
               "match first (or `No emails matched all the keywords. ...`); `read_email` returns the email as JSON "
@@ -409,7 +409,7 @@ def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
                 "", evaluate_served(run, "http://HOST:8000/v1"),
                 "This project's CPU backend also serves the folder itself, as its `base` model: `python "
                 f"test_email_search_agent.py --model base --base-model {where}` (add the flags above for the run's "
-                "episode shape)."]
+                "episode limits)."]
     return ["llama.cpp (`--jinja` applies the chat template stored in the file and parses its tool calls):", "",
             "```bash", f"llama-server -m {where}/{GGUF_NAME} --alias agent --jinja --ctx-size 8192 --port 8080",
             "```", "",
@@ -425,12 +425,12 @@ def load_instructions(run: Run, fmt: str, where: str, base: str) -> list[str]:
 
 
 def evaluate_served(run: Run, base_url: str) -> str:
-    """The evaluation command for the export served behind an OpenAI-compatible endpoint, in the run's shape."""
-    shape = run.shape
-    return ("Evaluate it served, with this project, in the episode shape it was trained with: `python "
+    """The evaluation command for the export served behind an OpenAI-compatible endpoint, with the run's limits."""
+    limits = run.limits
+    return ("Evaluate it served, with this project and the episode limits it was trained with: `python "
             f"test_email_search_agent.py --model hosted_vllm/agent --base-url {base_url} --max-turns "
-            f"{shape.max_turns} --max-tokens {shape.max_tokens} --max-body-chars {shape.max_body_chars} "
-            f"--search-results {shape.search_results}`.")
+            f"{limits.max_turns} --max-tokens {limits.max_tokens} --max-body-chars {limits.max_body_chars} "
+            f"--search-results {limits.search_results}`.")
 
 
 def add_arguments(p) -> None:

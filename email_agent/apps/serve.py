@@ -113,7 +113,7 @@ def make_server(opened_model: opened.OpenedModel, scope: Scope, grounded_answers
         "Answers questions about an email inbox. ask_inbox: a trained agent searches the inbox and answers with "
         "the emails it cites. search_inbox and read_email: search and read the inbox yourself."))
     add_ask_tool(server, opened_model, scope, grounded_answers, ready)
-    add_inbox_tools(server, scope, opened_model.shape)
+    add_inbox_tools(server, scope, opened_model.limits)
     return server
 
 
@@ -159,7 +159,7 @@ def add_ask_tool(server, opened_model: opened.OpenedModel, scope: Scope, grounde
         return result.to_json()
 
 
-def add_inbox_tools(server, scope: Scope, shape) -> None:
+def add_inbox_tools(server, scope: Scope, limits) -> None:
     """`search_inbox` and `read_email`: the agent's own tools, on the inbox and day a client asks for."""
     # here, not at the top: mcp takes ~0.5 s to import (pydantic, starlette), and this module loads for --help
     from mcp.server.mcpserver.exceptions import ToolError
@@ -168,7 +168,7 @@ def add_inbox_tools(server, scope: Scope, shape) -> None:
     InboxArg, AsOfArg = tool_arguments()
 
     def tool_inbox(inbox: str | None, as_of: str | None) -> tools.Inbox:
-        return tools.Inbox(scope.db, scope.inbox(inbox), tool_day(as_of), shape.max_body_chars, shape.search_results)
+        return tools.Inbox(scope.db, scope.inbox(inbox), tool_day(as_of), limits.max_body_chars, limits.search_results)
 
     @server.tool()
     async def search_inbox(
@@ -268,7 +268,7 @@ async def serve(settings: Settings) -> None:
             ready = False
             log.warning("%s (ask_inbox fails until it answers; search_inbox and read_email work)", exc)
         server = make_server(opened_model, scope, settings.grounded_answers, ready)
-        log.info("serving %s (%s) for %s of %s", opened_model.label, opened_model.shape.describe(),
+        log.info("serving %s (%s) for %s of %s", opened_model.label, opened_model.limits.describe(),
                  ", ".join(allowed) or "every inbox", db.path)
         if settings.http is None:
             await server.run_stdio_async()
@@ -321,6 +321,6 @@ def settings_from_args(args, default_db: str) -> Settings:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     options = opened.Options(art_dir=args.art_dir, base_url=args.base_url, api_key=args.api_key,
                                  concurrency=args.concurrency,
-                                 shape={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
+                                 limits={"max_turns": args.max_turns, "max_tokens": args.max_tokens})
     return Settings(args.model, args.db, default_db, args.inbox, options, args.grounded_answers, args.http,
                     args.token or os.environ.get(TOKEN_ENV) or None)

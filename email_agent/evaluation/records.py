@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def scoring_episode(reward: str | None, judge_model: str | None, judge_base_url: str | None, art_dir: str,
                     grounded_answers: bool = False) -> Episode:
     """An Episode carrying how answers are graded and whether ungrounded ones are withheld (each opened model
-    plays it in its own shape: `OpenedModel.episode`)."""
+    plays it with its own limits: `OpenedModel.episode`)."""
     mode, judge = grading.configure(reward, judge_model, judge_base_url, art_dir)
     if mode == "ruler":  # RULER ranks groups during training; an evaluation grades each answer on its own
         mode = "shaped" if judge else "offline"
@@ -69,7 +69,7 @@ def make_record(opened_model, question: Question, traj, episode: Episode) -> dic
             "withheld": json.loads(meta["withheld"]) if meta.get("withheld") else None,
             "grounded_answers": episode.grounded_answers,
             "reward": traj.reward, "reward_mode": episode.reward, "max_turns": episode.max_turns, "verdict": verdict,
-            "episode": opened_model.shape.shape(), "tool_choice": opened_model.tool_choice,
+            "episode": opened_model.limits.limits(), "tool_choice": opened_model.tool_choice,
             "backend": opened_model.backend,
             "concurrency": opened_model.policy.max_concurrency,
             "metrics": dict(m),

@@ -44,14 +44,14 @@ def comparison_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def setup_rows(summary: dict) -> tuple[list[str], list[list[str]]]:
-    """How each model played: its backend, tool_choice and episode shape (they differ between models)."""
+    """How each model played: its backend, tool_choice and episode limits (they differ between models)."""
     header = ["Model", "Served by", "Requests in flight", "tool_choice", "Turns", "Tokens / reply", "Body chars",
               "Results / search"]
     rows = []
     for label, s in summary["models"].items():
-        shape = s.get("episode") or {}
+        limits = s.get("episode") or {}
         rows.append([label, s.get("backend") or DASH, str(s.get("concurrency") or DASH), s.get("tool_choice") or DASH,
-                     *(str(shape.get(k, DASH))
+                     *(str(limits.get(k, DASH))
                        for k in ("max_turns", "max_tokens", "max_body_chars", "search_results"))])
     return header, rows
 

@@ -244,12 +244,12 @@ def console_lines(figures: dict) -> list[str]:
 
     lines = []
     for label, s in figures["models"].items():
-        shape = s.get("episode") or {}
+        limits = s.get("episode") or {}
         lines.append(f"{label:>32}  accuracy {fmt(s['accuracy'])}  hallucination {fmt(s['hallucination_rate'])}  "
                      f"score {fmt(s.get('score'), '+.2f')}  "
                      f"turns {fmt(s['avg_turns'], '.1f')}  n={s['n']}  errors {s['n_errors']}  "
-                     f"tool_choice {s.get('tool_choice') or 'n/a'}  shape {shape.get('max_turns', '?')} turns/"
-                     f"{shape.get('max_tokens', '?')} tokens")
+                     f"tool_choice {s.get('tool_choice') or 'n/a'}  limits {limits.get('max_turns', '?')} turns/"
+                     f"{limits.get('max_tokens', '?')} tokens")
     for pair in figures["pairs"]:
         leader = pair["a"] if pair["only_a"] >= pair["only_b"] else pair["b"]
         verdict = f"{leader} is better" if pair["p_value"] < 0.05 else "no significant difference"

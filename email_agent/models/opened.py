@@ -43,7 +43,7 @@ class Options:
     timeout: float = 300.0  # seconds per model request
     concurrency: int = 8  # rollouts in flight per model (and the CPU server's decoding batch)
     seed: int = 0
-    shape: dict = field(default_factory=dict)  # episode-shape fields given as flags: they override every run's
+    limits: dict = field(default_factory=dict)  # episode limits given as flags: they override every run's
     log_dir: str | None = None  # where the CPU path's vLLM writes its log (default: <art_dir>/logs)
     cpu_lora_rank: int = 8  # the largest LoRA the CPU path's vLLM must hold (`cpu_lora_rank`)
 
@@ -52,7 +52,7 @@ class Options:
 class OpenedModel:
     label: str
     policy: object  # rollout.Policy
-    shape: Episode
+    limits: Episode
     backend: str  # cpu | local | serverless | tinker | api (a prompted model)
     price_model: str | None = None  # litellm name to price tokens with
     history: Path | None = None  # a trained run's history.jsonl, for the learning curve
@@ -63,9 +63,9 @@ class OpenedModel:
         return self.policy.tool_choice or "auto"
 
     def episode(self, scoring: Episode) -> Episode:
-        """The episode this model plays: its own shape, scored as `scoring` says (the evaluation's reward
+        """The episode this model plays: its own limits, scored as `scoring` says (the evaluation's reward
         mode, judge and grounding check)."""
-        return self.shape.scored(scoring)
+        return self.limits.scored(scoring)
 
 
 def served_here(backend: str) -> bool:
@@ -149,12 +149,12 @@ class EpisodeScheduler:
                     self._go[self._waiting.pop(0)].set()
 
 
-async def open_model(spec: str, servers: Servers, default_shape: Episode | None = None) -> OpenedModel:
+async def open_model(spec: str, servers: Servers, default_limits: Episode | None = None) -> OpenedModel:
     """A --model value -> an OpenedModel, served by `servers` (with the evaluation's `Options`) if it is trained or
     `base`.
 
-    A run plays the episode shape it was trained with; `base` and prompted models play `default_shape`
-    (else the defaults); flags in `options.shape` override both.
+    A run plays the episode limits it was trained with; `base` and prompted models play `default_limits`
+    (else the defaults); flags in `options.limits` override both.
     """
     # here, not at the top: openai takes ~0.4 s, rollout imports ART (torch, seconds); --help loads this module
     from openai import AsyncOpenAI
@@ -167,7 +167,7 @@ async def open_model(spec: str, servers: Servers, default_shape: Episode | None 
     common = dict(max_concurrency=options.concurrency, temperature=options.temperature)
     run = find_run(name, options.art_dir)
     if run is not None:
-        shape = run.shape.override(**options.shape)
+        limits = run.limits.override(**options.limits)
         if backends.get(run.backend).served_here:
             number, ckpt = run.checkpoint(step)
             label = f"{run.name}@{number}"
@@ -180,17 +180,17 @@ async def open_model(spec: str, servers: Servers, default_shape: Episode | None 
         else:
             client, label, served = await servers.with_art(run, step)
         policy = Policy(client, label if backends.get(run.backend).served_here else served, **common)
-        return OpenedModel(label, policy, shape, run.backend, history=run.path / "history.jsonl",
+        return OpenedModel(label, policy, limits, run.backend, history=run.path / "history.jsonl",
                           step=int(label.rpartition("@")[2]))
 
-    shape = (default_shape or Episode()).override(**options.shape)
+    limits = (default_limits or Episode()).override(**options.limits)
     if name == "base":  # check_specs refused base@N
         try:
             client, label = await servers.on_cpu(options.base_model, None, None)
         except UserError as exc:  # e.g. a GPU venv, which has no CPU vLLM: say what `base` is and what to type
             raise UserError(f"{str(exc).rstrip('.')} (--model base is the CPU path's untrained {options.base_model}; "
                             f"a GPU run's untrained model is its first checkpoint, --model RUN@0).") from None
-        return OpenedModel(label, Policy(client, label, **common), shape, backends.CPU.name)
+        return OpenedModel(label, Policy(client, label, **common), limits, backends.CPU.name)
 
     provider, _, model = name.partition("/")
     if not model:
@@ -208,7 +208,7 @@ async def open_model(spec: str, servers: Servers, default_shape: Episode | None 
     # Prompted models are told they must call a tool (as ART·E's baselines were); trained ones learned to.
     policy = Policy(client, served, logprobs=False, tool_choice="required",
                     **{**common, "temperature": None if reasoning else options.temperature})
-    return OpenedModel(spec, policy, shape, "api", price_model=name)
+    return OpenedModel(spec, policy, limits, "api", price_model=name)
 
 
 def cpu_lora_rank(specs: list[str], art_dir: str) -> int:
@@ -274,8 +274,8 @@ async def probe(opened_model: OpenedModel) -> None:
         raise failure(exc) from None
 
 
-def shared_run_shape(specs: list[str], art_dir: str) -> Episode | None:
-    """The episode shape of the trained runs among `specs` if they all share one: `base` and prompted models
-    then play that shape too, so a comparison with a trained run is like for like."""
-    shapes = {run.shape for spec in specs if (run := find_run(spec.partition("@")[0], art_dir)) is not None}
-    return shapes.pop() if len(shapes) == 1 else None
+def shared_run_limits(specs: list[str], art_dir: str) -> Episode | None:
+    """The episode limits of the trained runs among `specs` if they all share the same: `base` and prompted models
+    then play with those limits too, so a comparison with a trained run is like for like."""
+    shared = {run.limits for spec in specs if (run := find_run(spec.partition("@")[0], art_dir)) is not None}
+    return shared.pop() if len(shared) == 1 else None

@@ -48,7 +48,7 @@ class Plan:
     val_questions: list[Question]
     train_questions: list[Question]  # the warm start's
     rl_questions: list[Question]  # GRPO's: the train questions, with any unanswerable replays
-    episode: Episode  # the episode's shape and how it is scored (reward mode, judge, penalty)
+    episode: Episode  # the episode's limits and how it is scored (reward mode, judge, penalty)
     ruler: Ruler | None  # --reward ruler's judge, which scores each group as it completes
     # a group the judge failed on (while it was down), graded again: by RULER, or each failed answer by the judge
     regrade: Callable[[art.TrajectoryGroup], Awaitable[art.TrajectoryGroup]]
@@ -104,7 +104,7 @@ async def resolve(cfg: TrainConfig) -> Plan:
     ruler_model = cfg.ruler_model or (judge.model if judge else "")
     if reward_mode == "ruler" and not ruler_model:
         raise UserError("--reward ruler needs --ruler-model or --judge-model.")
-    episode = replace(Episode.shaped_as(cfg), reward=reward_mode, judge=judge,
+    episode = replace(Episode.with_limits_of(cfg), reward=reward_mode, judge=judge,
                       hallucination_penalty=cfg.hallucination_penalty)
     reward_line = rewards.describe(reward_mode, judge, ruler_model, judge_base_url, cfg.hallucination_penalty)
     ruler = Ruler(ruler_model, judge_base_url, judge.timeout if judge else None) if reward_mode == "ruler" else None

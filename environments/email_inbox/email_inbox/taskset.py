@@ -189,7 +189,7 @@ class EmailTask(vf.Task[EmailTaskData, vf.State, EmailTaskConfig]):
         return rubric, answer, sources, messages
 
     def episode(self) -> Episode:
-        """The project's Episode: this task's shape, scored as the config says (one judge per task object)."""
+        """The project's Episode: this task's limits, scored as the config says (one judge per task object)."""
         if getattr(self, "_episode", None) is None:
             config = self.config
             mode, judge = grading.configure(config.reward, config.judge_model, config.judge_base_url, JUDGE_CACHE)
@@ -208,7 +208,7 @@ def _json_object(arguments: str) -> bool:
 
 
 class EmailInboxConfig(vf.TasksetConfig):
-    """Which questions, and the episode's shape (`--env.taskset.*`). A shape field left unset is the trained
+    """Which questions, and the episode's limits (`--env.taskset.*`). A limit left unset is the trained
     run's (`run`), else the project's default."""
 
     db: str = "data/demo.db"
@@ -221,7 +221,7 @@ class EmailInboxConfig(vf.TasksetConfig):
     single_source: bool = False
     """Only questions with one gold email."""
     run: str | None = None
-    """A trained run (its name under .art, or its folder): the episode shape it was trained with."""
+    """A trained run (its name under .art, or its folder): the episode limits it was trained with."""
     max_turns: int | None = None
     """Agent turns per question (default 10)."""
     max_tokens: int | None = None
@@ -247,22 +247,22 @@ class EmailInboxConfig(vf.TasksetConfig):
         return self
 
     def questions(self) -> tuple[EmailDB, list[Question], Episode]:
-        """The database, the questions to play and the episode's shape; a UserError if there are none."""
-        shape = self.shape()
+        """The database, the questions to play and the episode's limits; a UserError if there are none."""
+        limits = self.limits()
         db = EmailDB(self.db)  # one sentence if there is none: build it with build-db
         questions = select_questions(db, self.split, single_source=self.single_source, seed=self.seed)
         if not questions:
             raise UserError(no_questions(db, self.split))
-        return db, questions, shape
+        return db, questions, limits
 
-    def shape(self) -> Episode:
-        """The episode's shape: these fields over the run's over the project's defaults."""
+    def limits(self) -> Episode:
+        """The episode's limits: these fields over the run's over the project's defaults."""
         base = Episode()
         if self.run:
             run = find_run(self.run)
             if run is None:
                 raise UserError(f"no trained run {self.run!r} (a name under .art, or a run's folder)")
-            base = run.shape
+            base = run.limits
         return base.override(max_turns=self.max_turns, max_tokens=self.max_tokens,
                              max_body_chars=self.max_body_chars, search_results=self.search_results)
 
@@ -271,7 +271,7 @@ class EmailInboxTaskset(vf.Taskset[EmailTask, EmailInboxConfig]):
     def load(self) -> list[EmailTask]:
         config = self.config
         try:
-            db, questions, shape = config.questions()
+            db, questions, limits = config.questions()
         except UserError as exc:  # the config left unchecked above (no flag given): still one sentence
             raise SystemExit(f"error: {exc}") from None
         db.close()
@@ -279,10 +279,10 @@ class EmailInboxTaskset(vf.Taskset[EmailTask, EmailInboxConfig]):
         grading.configure(task_config.reward, task_config.judge_model, task_config.judge_base_url, JUDGE_CACHE)
         return [EmailTask(EmailTaskData(
             id=str(q.id), name=f"{q.inbox_address} {q.query_date}", prompt=q.question,
-            system_prompt=first_messages(q, shape)[0]["content"],
+            system_prompt=first_messages(q, limits)[0]["content"],
             question_id=q.id, question=q.question, answer=q.answer, message_ids=q.message_ids,
             inbox_address=q.inbox_address, query_date=q.query_date, split=q.split, db=str(db.path.resolve()),
-            max_turns=shape.max_turns, max_body_chars=shape.max_body_chars, search_results=shape.search_results),
+            max_turns=limits.max_turns, max_body_chars=limits.max_body_chars, search_results=limits.search_results),
             task_config) for q in questions]
 
 
@@ -305,7 +305,7 @@ class EmailInboxEnvConfig(vf.SingleAgentEnvConfig):
     def _episode_reply_length(self) -> EmailInboxEnvConfig:
         taskset = self.taskset
         if isinstance(taskset, EmailInboxConfig):
-            max_tokens = taskset.shape().max_tokens
+            max_tokens = taskset.limits().max_tokens
             sampling = (self.agent.sampling or vf.SamplingConfig()).model_copy(update={"max_tokens": max_tokens})
             self.agent = self.agent.model_copy(update={"sampling": sampling})
         return self
