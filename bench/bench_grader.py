@@ -5,12 +5,12 @@ it accepts.
     python bench/bench_grader.py --rejudge eval/enron/seed-0/report   # an evaluation's figures by both graders
     python bench/bench_grader.py --show heldout           # every disagreement of the held-out labels
 
-Each label is a real agent answer to a real question (the real-mail set, the demo), judged accept or reject by
-ART·E's judge rule (data/grader-labels/README.md). For the current grader (`matcher.offline_verdict`) and the one
-shipped before it (`matcher.strict_verdict`), per split (`tune`: the labels the rules were read from; `heldout`:
-never tuned on), per set and per round of labelling (round 1: the labels the grader was written beside; later
-rounds: answers labelled after it was frozen, from other checkpoints, every one unseen while tuning): agreement
-(share of labels the grader's verdict matches), wrong answers accepted
+Each label is a real agent answer to a real question (the real-mail set, the demo, a set `generate-questions`
+wrote), judged accept or reject by ART·E's judge rule (data/grader-labels/README.md). For the current grader
+(`matcher.offline_verdict`) and the one shipped before it (`matcher.strict_verdict`), per split (`tune`: the
+labels the rules were read from; `heldout`: never tuned on), per set and per round of labelling (round 1: the
+labels the grader was written beside; later rounds: answers labelled after it was frozen, from other checkpoints,
+every one unseen while tuning): agreement (share of labels the grader's verdict matches), wrong answers accepted
 (share of the `reject` labels it accepts; the target is <= 2%) and right answers found (share of the `accept`
 labels it accepts). Targets: >= 95% agreement and <= 2% wrong answers accepted on the held-out labels.
 
@@ -34,6 +34,7 @@ from email_agent.agent.matcher import GRADER, STRICT_GRADER, is_i_dont_know, off
 
 LABELS = ROOT / "data" / "grader-labels" / "labels.jsonl"
 ENRON_QUESTIONS = ROOT / "data" / "enron-questions" / "questions.jsonl"
+GENERATED_QUESTIONS = ROOT / "data" / "generated-questions" / "questions.jsonl"
 TARGET_AGREEMENT, TARGET_WRONG_ACCEPTED = 0.95, 0.02
 GRADERS = {GRADER: offline_verdict, STRICT_GRADER: strict_verdict}
 
@@ -56,8 +57,11 @@ def question_sets() -> dict[str, dict[str, tuple[str, str]]]:
     """Each set's questions by id: (question, gold answer), as the labels must carry them."""
     from email_agent.data import demo
 
-    enron = [json.loads(line) for line in ENRON_QUESTIONS.read_text().splitlines() if line.strip()]
-    return {"enron": {str(q["id"]): (q["question"], q["answer"]) for q in enron},
+    def read(path: Path) -> dict[str, tuple[str, str]]:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return {str(q["id"]): (q["question"], q["answer"]) for q in rows}
+
+    return {"enron": read(ENRON_QUESTIONS), "generated": read(GENERATED_QUESTIONS),
             "demo": {str(q["id"]): (q["question"], q["answer"]) for q in demo.generate()[1]}}
 
 

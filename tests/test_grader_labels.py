@@ -26,7 +26,7 @@ def test_the_label_set_is_real_labelled_and_split(labels):
     assert len(labels) >= 300
     assert len({r["source"].split(" (")[0] for r in labels}) >= 5  # checkpoints: warm@1, warm@5, pen2s0@5, ...
     assert {r["round"] for r in labels} >= {1, 2, 3}
-    assert {r["set"] for r in labels} == {"enron", "demo"}
+    assert {r["set"] for r in labels} == {"enron", "demo", "generated"}
     assert all(r["labeller"] and r["source"] for r in labels)
     assert len({(r["set"], r["question_id"], r["answer"]) for r in labels}) == len(labels)
     for split in ("tune", "heldout"):

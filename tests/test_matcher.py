@@ -68,6 +68,10 @@ def test_trainings_offline_reward_pays_those_answers_as_right(question, gold, an
      "Dan Hvyl and Charlie Otto"),  # a second candidate beside the gold's one
     ("Who were appointed directors of LRCI, Inc. on November 26, 2001?",
      "Mark E. Haedicke, Brian L. Redmond and Jean M. Mrha", "Mark E. Haedicke and Brian L. Redmond"),  # 2 of 3
+    ("Where and when is the mediation with SoCalGas starting?", "Chicago, on December 4, 2001",
+     "December 4th"),  # where is asked too: a name beside the date is no label here
+    ("What's the dial-in and passcode for the SoCalGas billing issue call?",
+     "1-877-795-3687, passcode 824390 (Omaha participants in Conf. Room 724)", "1-877-795-3687"),  # no passcode
 ])
 def test_an_answer_that_misses_or_contradicts_what_was_asked_is_wrong(question, gold, answer):
     assert not matcher.offline_verdict(answer, gold, question).correct
@@ -98,6 +102,12 @@ def test_an_answer_that_misses_or_contradicts_what_was_asked_is_wrong(question, 
      "every month"),  # "month," is no weekday: the trailing clause is context
     ("When and where is the Vepco meeting?", "Monday, November 5 at 10:00am in conference room EB3125B",
      "November 5 at 10 am in EB3125B"),
+    ("Where and when is the mediation with SoCalGas starting?", "Chicago, on December 4, 2001",
+     "Chicago on December 4"),
+    ("What's the dial-in and passcode for the SoCalGas billing issue call?",
+     "1-877-795-3687, passcode 824390 (Omaha participants in Conf. Room 724)", "1-877-795-3687, code 824390"),
+    ("Who will be the mediator in the TW v. SoCalGas mediation?", "Rick Miles of FERC's ADR group",
+     "Rick Miles"),  # asked who: where the person is from is context
 ])
 def test_an_answer_that_rewords_the_gold_answer_is_right(question, gold, answer):
     verdict = matcher.offline_verdict(answer, gold, question)

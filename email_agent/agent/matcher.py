@@ -12,7 +12,8 @@ gold answer is read as a core (what the question asks for) and its context, and 
 
 The core is the gold answer less its parentheses, less a trailing clause after a comma ("..., which is 100% owned
 by Enron"; not in a list: "Duke Energy, Gulf Energy, and Tejas" needs all three; not when the question asks two
-things: "when and where"), less a phone number unless the question asks for one, less the question's own words
+things: "when and where", "the dial-in and passcode"), less where a person is from when the question asks who
+("Rick Miles of FERC's ADR group"), less a phone number unless the question asks for one, less the question's own words
 ("21 FTEs" for "How many FTEs ...?") and hedges
 ("approximately"). An answer is right when it holds every number, date, time and phone of the core (a year may be
 left out), at least three quarters of its names and half of its other words, names nothing the gold answer lacks
@@ -240,8 +241,11 @@ def gold_core(gold: str, question: str) -> str:
     if not re.search(r"\b(?:phone|number|call|fax|cell|reach|dial|extension)\b", question, re.I):
         stripped = PHONE_RE.sub(" ", re.sub(rf"\s+(?:at|on)\s+(?={PHONE_RE.pattern})", " ", core)).strip(" ,;")
         core = stripped or core  # "Dana Eales at (330) 315-7429" answers "who?" as "Dana Eales"
+    if _who_of(gold, question):  # "Rick Miles of FERC's ADR group" answers "who?" as "Rick Miles"
+        return _who_of(gold, question)
     parts = _top_level_commas(core)
-    if len(parts) < 2 or TWO_THINGS.search(question) or COUNTED.search(question) or _is_list(parts):
+    if len(parts) < 2 or TWO_THINGS.search(question) or COUNTED.search(question) or _is_list(parts) or \
+            _names_a_second_thing_asked(parts[1:], question):
         return core
     if len(parts) == 2:  # "Linda Wicker, (281) 374-9557", "Constellation, for a ... position", "Portland, Colorado"
         return core if TIME_RE.search(parts[1]) else parts[0]  # "Saturday, Sept 15th, 8:00 AM to 5:00 PM": one when
@@ -251,6 +255,31 @@ def gold_core(gold: str, question: str) -> str:
             break
         keep.append(part)
     return ", ".join(keep)
+
+
+def _asks_two(question: str) -> bool:
+    """The question asks two things: "when and where", "the dial-in and passcode"."""
+    return bool(TWO_THINGS.search(question)) or bool(AND_THING.search(question))
+
+
+AND_THING = re.compile(r"\b(?:the\s+)?[\w-]+\s+and\s+(?:the\s+|its\s+|their\s+|his\s+|her\s+)?([a-z][\w-]*)\b"
+                       r"(?=[^?]*\?)", re.I)
+
+
+def _names_a_second_thing_asked(rest: list[str], question: str) -> bool:
+    """A comma part of the gold answer named by what the question asks for after "and" ("What's the dial-in and
+    passcode ...?" - "1-877-795-3687, passcode 824390"): asked, so not context."""
+    asked = {stem(m.group(1).lower()) for m in AND_THING.finditer(question)}
+    return any(asked & {stem(w.lower()) for w in re.findall(r"[A-Za-z][\w-]*", part)} for part in rest)
+
+
+def _who_of(gold: str, question: str) -> str | None:
+    """For "who?", a person's name and then where they are from ("Rick Miles of FERC's ADR group"): the name."""
+    if not re.search(r"\bwho\b", question, re.I):
+        return None
+    name = r"[A-Z][a-z]+\.?\s+(?:[A-Z]\.\s+)?[A-Z][a-z]+(?:-[A-Z][a-z]+)?"  # "Rick Miles", "Mark E. Haedicke"
+    match = re.match(rf"^\s*({name})\s+(?:of|from|at|with)\s+\S", gold)
+    return match.group(1) if match else None
 
 
 def list_items(core: str, question: str) -> list[str]:
@@ -308,7 +337,8 @@ def offline_verdict(answer: str, gold: str, question: str = "") -> Verdict:
     if got.size() > LONGEST * full.size() + 12:
         return Verdict(False, "offline", "gold answer buried in an over-long answer")
     items = list_items(core_text, question)
-    problem = _numbers_problem(wanted, full, got, asked) or _words_problem(wanted, full, got) or \
+    problem = _numbers_problem(wanted, full, got, asked) or \
+        _words_problem(wanted, full, got, both_asked=_asks_two(question)) or \
         _items_problem(items, got, asked) or (None if items else _other_names_problem(answer, wanted, full, asked))
     if problem:
         return Verdict(False, "offline", problem)
@@ -338,13 +368,14 @@ def _numbers_problem(wanted: Facts, full: Facts, got: Facts, asked: Facts) -> st
     return None
 
 
-def _words_problem(wanted: Facts, full: Facts, got: Facts) -> str | None:
+def _words_problem(wanted: Facts, full: Facts, got: Facts, both_asked: bool = False) -> str | None:
     """Enough of the core's names (initials standing for them) and of its other words. Beside numbers the answer
-    holds, names are units and labels ("1.5x" answers "1.5x NYMEX margin"); beside a date or time it holds, other
-    words frame it ("Dec 15th" answers "weekend of Dec 15th") unless the answer names another part of the day."""
+    holds, names are units and labels ("1.5x" answers "1.5x NYMEX margin"), unless the question asks two things
+    ("where and when": "Chicago, on December 4" needs Chicago); beside a date or time it holds, other words frame
+    it ("Dec 15th" answers "weekend of Dec 15th") unless the answer names another part of the day."""
     names, gold_words = sorted(set(wanted.names)), full.stems()
     held = [n for n in names if _has_word(n, got, _initials(full.names), gold_words)]
-    if names and not wanted.numbers and len(held) < NAMES_NEEDED * len(names):
+    if names and (both_asked or not wanted.numbers) and len(held) < NAMES_NEEDED * len(names):
         return f"missing {', '.join(n for n in names if n not in held)}"
     words = sorted(set(wanted.words) - set(names))
     found = [w for w in words if _has_word(w, got, None, gold_words, name=False)]
