@@ -13,11 +13,11 @@ gold answer is read as a core (what the question asks for) and its context, and 
 The core is the gold answer less its parentheses, less a trailing clause after a comma ("..., which is 100% owned
 by Enron"; not in a list: "Duke Energy, Gulf Energy, and Tejas" needs all three; not when the question asks two
 things: "when and where", "the dial-in and passcode"), less where a person is from when the question asks who
-("Rick Miles of FERC's ADR group"), less a phone number unless the question asks for one, less the question's own words
-("21 FTEs" for "How many FTEs ...?") and hedges
-("approximately"). An answer is right when it holds every number, date, time and phone of the core (a year may be
-left out), at least three quarters of its names and half of its other words, names nothing the gold answer lacks
-where numbers matter ("Boardroom 3 or 7"), and is not a pasted email (its length is capped). How each rule and
+("Rick Miles of FERC's ADR group"), less a phone number unless the question asks for one, less the question's own
+words ("21 FTEs" for "How many FTEs ...?") and hedges ("approximately"). An answer is right when it holds every
+number, date, time and phone of the core (a year may be left out), at least three quarters of its names and half of
+its other words, names nothing the gold answer lacks where numbers matter ("Boardroom 3 or 7"), and is not a pasted
+email (its length is capped). How each rule and
 threshold was chosen, and what it agrees with: data/grader-labels/README.md and bench/bench_grader.py.
 
 `strict_verdict` is the grader this project shipped before (every word of the gold answer), kept for comparing
@@ -229,6 +229,8 @@ def stem(word: str) -> str:
 
 TWO_THINGS = re.compile(r"\b(?:when|where|who|what|which|how|why)\b[^?]*\band\s+(?:for\s+|at\s+|on\s+|in\s+)?"
                         r"(?:when|where|who|whom|what|which|how|why)\b", re.I)
+AND_THING = re.compile(r"\b(?:the\s+)?[\w-]+\s+and\s+(?:the\s+|its\s+|their\s+|his\s+|her\s+)?([a-z][\w-]*)\b"
+                       r"(?=[^?]*\?)", re.I)  # "the dial-in and passcode"
 COUNTED = re.compile(r"\b(?:two|three|four|five|six|seven|eight|nine|ten|both|all|each|every|list)\b", re.I)
 CLAUSE_START = re.compile(r"^\s*(?:which|who|whose|due|because|from|effective|for|with|per|meet|extended|as|"
                           r"since|after|before|until|through|via|including|plus|but|not|at|in|on|to|each|a|an|the)"
@@ -241,8 +243,8 @@ def gold_core(gold: str, question: str) -> str:
     if not re.search(r"\b(?:phone|number|call|fax|cell|reach|dial|extension)\b", question, re.I):
         stripped = PHONE_RE.sub(" ", re.sub(rf"\s+(?:at|on)\s+(?={PHONE_RE.pattern})", " ", core)).strip(" ,;")
         core = stripped or core  # "Dana Eales at (330) 315-7429" answers "who?" as "Dana Eales"
-    if _who_of(gold, question):  # "Rick Miles of FERC's ADR group" answers "who?" as "Rick Miles"
-        return _who_of(gold, question)
+    if name := _who_of(gold, question):  # "Rick Miles of FERC's ADR group" answers "who?" as "Rick Miles"
+        return name
     parts = _top_level_commas(core)
     if len(parts) < 2 or TWO_THINGS.search(question) or COUNTED.search(question) or _is_list(parts) or \
             _names_a_second_thing_asked(parts[1:], question):
@@ -260,10 +262,6 @@ def gold_core(gold: str, question: str) -> str:
 def _asks_two(question: str) -> bool:
     """The question asks two things: "when and where", "the dial-in and passcode"."""
     return bool(TWO_THINGS.search(question)) or bool(AND_THING.search(question))
-
-
-AND_THING = re.compile(r"\b(?:the\s+)?[\w-]+\s+and\s+(?:the\s+|its\s+|their\s+|his\s+|her\s+)?([a-z][\w-]*)\b"
-                       r"(?=[^?]*\?)", re.I)
 
 
 def _names_a_second_thing_asked(rest: list[str], question: str) -> bool:
